@@ -1,0 +1,120 @@
+"""The built-in GPT: a pre-norm decoder with SDPA attention, shaped by `model.*` of the config.
+
+Its transformer blocks live in `GPT.layers` (a ModuleList), the place layer discovery looks first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, recompute_core: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size)
+        self.recompute_core = recompute_core
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        if self.recompute_core and torch.is_grad_enabled():
+            # selective recompute (Megatron's "selective"): keep q, k, v, recompute the attention core
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, recompute_core: bool = False) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(hidden_size)
+        self.attn = CausalSelfAttention(hidden_size, num_heads, recompute_core)
+        self.mlp_norm = nn.LayerNorm(hidden_size)
+        self.mlp = MLP(hidden_size, ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, `num_layers` blocks, final norm, untied output head."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        seq_length: int,
+        vocab_size: int,
+        ffn_hidden_size: int | None = None,
+        init_method_std: float = 0.02,
+        recompute_granularity: str | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={hidden_size} is not divisible by model.num_attention_heads={num_attention_heads}"
+            )
+        ffn = ffn_hidden_size or 4 * hidden_size
+        self.seq_length = seq_length
+        self.full_recompute = recompute_granularity == "full"
+        self.embedding = nn.Embedding(vocab_size, hidden_size)
+        self.position_embedding = nn.Embedding(seq_length, hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerLayer(hidden_size, num_attention_heads, ffn, recompute_granularity == "selective")
+            for _ in range(num_layers)
+        )
+        self.final_norm = nn.LayerNorm(hidden_size)
+        self.output = nn.Linear(hidden_size, vocab_size, bias=False)
+        self._init_weights(init_method_std, num_layers)
+
+    def _init_weights(self, std: float, num_layers: int) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                # LayerNorm weights are ones, every bias zero
+                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
+            elif name.endswith(("proj.weight", "fc2.weight")):
+                # GPT-2's scaled init of the residual-output projections
+                nn.init.normal_(p, 0.0, std / (2 * num_layers) ** 0.5)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding(tokens) + self.position_embedding(positions)
+        for layer in self.layers:
+            if self.full_recompute and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return self.output(self.final_norm(x))
+
+
+def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32. logits: [b, s, v], labels: [b, s]."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
