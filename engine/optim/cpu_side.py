@@ -1,0 +1,285 @@
+"""The CPU-stepped part: host master weights and states, gradient D2H, the CPU step, weight H2D.
+
+Lifecycle of one step for the parameters it owns:
+  ship(name, grad)   main thread, as soon as a gradient is final (a backward hook in overlap mode):
+                     copies it on the D2H stream into a pinned host buffer and records an event.
+  launch(...)        main thread, once the clip factor is known: hands the step to the driver thread.
+  _run               driver thread: per layer unit in forward order, waits for that unit's D2H
+                     events, runs the fused pass over slices on `threads` worker threads (the GIL is
+                     released in the C call), then copies the new weights to the GPU on the H2D
+                     stream and marks the unit ready.
+  wait_unit(unit)    main thread, from the unit's forward pre-hook: the next forward waits for the
+                     layer it is about to run, and only on the GPU (an event wait), not on the host.
+Without CUDA the copies are plain host copies and events are absent; the code path is the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.optim import fused_kernel
+from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
+from engine.optim.host_buffers import FlatViews
+
+_MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
+
+
+class CpuPart:
+    def __init__(
+        self,
+        entries: list[tuple[str, torch.nn.Parameter, int, str]],
+        *,
+        kind: str,
+        use_torch: bool,
+        pin_grads: bool,
+        pin_params: bool,
+        threads: int,
+    ) -> None:
+        """entries: (name, param, group index, unit) in forward order."""
+        self.kind = kind
+        self.params = {n: p for n, p, _, _ in entries}
+        self.group_of = {n: gi for n, _, gi, _ in entries}
+        self.units: dict[str, list[str]] = {}
+        for n, _, _, u in entries:
+            self.units.setdefault(u, []).append(n)
+        self.cuda = torch.cuda.is_available() and any(p.is_cuda for p in self.params.values())
+        self.pin_grads = pin_grads and self.cuda
+        layout, off = {}, 0
+        for n, p, _, _ in entries:
+            layout[n] = (off, p.shape)
+            off += p.numel()
+        self.layout = layout
+        half = {p.dtype for p in self.params.values() if p.dtype != torch.float32}
+        if len(half) > 1:
+            raise ValueError(f"CPU-stepped parameters mix half dtypes {sorted(map(str, half))}; use one")
+        # fp32 weights travel back from the master itself, so it is the pinned buffer then
+        self.master = FlatViews(layout, torch.float32, pin_params and self.cuda and not half)
+        self.upload = FlatViews(layout, half.pop(), pin_params and self.cuda) if half else self.master
+        with torch.no_grad():
+            for n, p in self.params.items():
+                self.master[n].copy_(p.detach().reshape(-1))
+        self.grads: dict[torch.dtype, FlatViews] = {}  # transfer dtype -> pinned buffer, allocated on first use
+        self.steps = dict.fromkeys(self.params, 0)
+        self.lib = None if (use_torch or kind != "adam") else fused_kernel.load()
+        self.inner: dict[str, torch.optim.Optimizer] = {}
+        if self.lib is None and (use_torch or kind != "adam"):
+            self._build_inner()
+        elif kind == "adam":
+            self.m = FlatViews(layout, torch.float32, False)
+            self.v = FlatViews(layout, torch.float32, False)
+            self.m.flat.zero_()
+            self.v.flat.zero_()
+        self.g32: FlatViews | None = None
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam")
+        self.driver = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-driver")
+        self.job: Future | None = None
+        self.ready = {u: threading.Event() for u in self.units}
+        for e in self.ready.values():
+            e.set()
+        self.h2d_event: dict[str, torch.cuda.Event | None] = dict.fromkeys(self.units)
+        self.d2h_event: dict[str, torch.cuda.Event | None] = {}
+        self.shipped: dict[str, torch.Tensor] = {}
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream()
+            self.h2d_stream = torch.cuda.Stream()
+
+    # ---- torch.optim for the CPU part (use_torch_optimizer_for_cpu_offload, or SGD) ----
+    def _build_inner(self) -> None:
+        """One torch optimizer per unit, so units still step and travel back one by one."""
+        for u, names in self.units.items():
+            by_group: dict[int, list[torch.Tensor]] = {}
+            for n in names:
+                by_group.setdefault(self.group_of[n], []).append(self.master[n])
+            groups = [{"params": ps, "gi": gi} for gi, ps in by_group.items()]
+            if self.kind == "adam":
+                self.inner[u] = torch.optim.AdamW(groups, lr=0.0, fused=True)
+            else:
+                self.inner[u] = torch.optim.SGD(groups, lr=0.0, momentum=0.0)
+
+    # ---- main thread ----
+    def ship(self, name: str, grad: torch.Tensor) -> None:
+        """Start the copy of a final gradient to host memory (grad: the parameter's shape, any float dtype)."""
+        self.wait_job()  # the previous step must be done reading the host gradient buffer
+        if grad.dtype not in self.grads:
+            self.grads[grad.dtype] = FlatViews(self.layout, grad.dtype, self.pin_grads)
+        buf = self.grads[grad.dtype][name]
+        if self.cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.d2h_stream):
+                buf.copy_(grad.reshape(-1), non_blocking=True)
+                self.d2h_event[name] = self.d2h_stream.record_event()
+            grad.record_stream(self.d2h_stream)  # its memory returns to the pool only after the copy
+        else:
+            buf.copy_(grad.reshape(-1))
+        self.shipped[name] = buf
+
+    def launch(self, hypers: list[Hyper], inv_scale: float, coef: float) -> None:
+        """Step every shipped parameter on the driver thread; returns at once."""
+        bwd_done = torch.cuda.current_stream().record_event() if self.cuda else None
+        for e in self.ready.values():
+            e.clear()
+        shipped, self.shipped = self.shipped, {}
+        self.job = self.driver.submit(self._run, shipped, hypers, inv_scale, coef, bwd_done)
+
+    def discard(self) -> None:
+        """Drop shipped gradients without stepping (non-finite step)."""
+        self.shipped = {}
+
+    def wait_unit(self, unit: str) -> None:
+        if not self.ready[unit].is_set():
+            self.ready[unit].wait()
+        ev = self.h2d_event[unit]
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
+            self.h2d_event[unit] = None
+
+    def wait_job(self) -> None:
+        if self.job is not None:
+            job, self.job = self.job, None
+            job.result()  # re-raises an error from the driver thread here, on the main thread
+
+    def wait_all(self) -> None:
+        self.wait_job()
+        for u in self.units:
+            self.wait_unit(u)
+
+    def host_bytes(self) -> int:
+        views = [self.master, *self.grads.values()]
+        views += [self.upload] if self.upload is not self.master else []
+        views += [self.m, self.v] if hasattr(self, "m") else []
+        views += [self.g32] if self.g32 is not None else []
+        n = sum(v.nbytes for v in views)
+        for opt in self.inner.values():
+            n += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+        return n
+
+    # ---- driver thread ----
+    def _run(self, shipped, hypers, inv_scale, coef, bwd_done) -> None:
+        try:
+            for u, names in self.units.items():
+                todo = [n for n in names if n in shipped]
+                for n in todo:
+                    ev = self.d2h_event.pop(n, None)
+                    if ev is not None:
+                        ev.synchronize()
+                if todo:
+                    if self.inner:
+                        self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
+                    else:
+                        self._step_fused(todo, shipped, hypers, inv_scale, coef)
+                    self._upload(u, todo, bwd_done)
+                self.ready[u].set()
+        finally:
+            for e in self.ready.values():
+                e.set()
+
+    def _step_fused(self, names, shipped, hypers, inv_scale, coef) -> None:
+        futs = []
+        for n in names:
+            self.steps[n] += 1
+            s = adamw_scalars(hypers[self.group_of[n]], self.steps[n], inv_scale, coef)
+            p, m, v, g = self.master[n], self.m[n], self.v[n], shipped[n]
+            half = None if self.upload is self.master else self.upload[n]
+            if self.lib is None:
+                adamw_torch_(p, m, v, g, None, s)
+                if half is not None:
+                    half.copy_(p)
+                continue
+            numel = p.numel()
+            chunk = max(_MIN_SLICE, -(-numel // self.threads))
+            for a in range(0, numel, chunk):
+                b = min(numel, a + chunk)
+                futs.append(
+                    self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, p, m, v, g, None, p, m, v, half, s)
+                )
+        for f in futs:
+            f.result()
+
+    def _step_torch(self, unit, names, shipped, hypers, inv_scale, coef) -> None:
+        opt = self.inner[unit]
+        if self.g32 is None:
+            self.g32 = FlatViews(self.layout, torch.float32, False)
+        todo = set(names)
+        for n in self.units[unit]:
+            self.master[n].grad = None
+        for n in names:
+            g = self.g32[n]
+            g.copy_(shipped[n])
+            if inv_scale != 1.0:
+                g.mul_(inv_scale)
+            if coef != 1.0:
+                g.mul_(coef)
+            self.master[n].grad = g
+            self.steps[n] += 1
+        for group in opt.param_groups:
+            h = hypers[group["gi"]]
+            group.update(lr=h.lr, weight_decay=h.weight_decay)
+            if self.kind == "adam":
+                group.update(betas=(h.beta1, h.beta2), eps=h.eps)
+            else:
+                group.update(momentum=h.momentum)
+        opt.step()
+        for n in names:
+            self.master[n].grad = None
+            if self.upload is not self.master:
+                self.upload[n].copy_(self.master[n])
+        del todo
+
+    def _upload(self, unit: str, names: list[str], bwd_done) -> None:
+        if self.cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                self.h2d_stream.wait_event(bwd_done)  # the last backward may still read these weights
+                for n in names:
+                    p = self.params[n]
+                    p.data.copy_(self.upload[n].view(p.shape), non_blocking=True)
+                self.h2d_event[unit] = self.h2d_stream.record_event()
+        else:
+            with torch.no_grad():
+                for n in names:
+                    p = self.params[n]
+                    p.data.copy_(self.upload[n].view(p.shape))
+
+    # ---- state (called with no step in flight) ----
+    def export(self, name: str) -> dict:
+        st: dict = {"step": self.steps[name], "master": self.master[name].view(self.params[name].shape).clone()}
+        shape = self.params[name].shape
+        if self.inner:
+            opt = self.inner[self._unit(name)]
+            s = opt.state.get(self.master[name], {})
+            for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if torch.is_tensor(s.get(k)):
+                    st[k] = s[k].view(shape).clone()
+        elif self.kind == "adam":
+            st["exp_avg"] = self.m[name].view(shape).clone()
+            st["exp_avg_sq"] = self.v[name].view(shape).clone()
+        return st
+
+    def load(self, name: str, st: dict) -> None:
+        self.steps[name] = int(st["step"])
+        self.master[name].copy_(st["master"].reshape(-1))
+        if self.upload is not self.master:
+            self.upload[name].copy_(self.master[name])
+        if self.inner:
+            opt = self.inner[self._unit(name)]
+            key = self.master[name]
+            new = {
+                k: st[k].reshape(-1).clone().float() for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in st
+            }
+            if self.kind == "adam" and new:
+                new["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+            opt.state[key] = new
+        elif self.kind == "adam":
+            self.m[name].copy_(st.get("exp_avg", torch.zeros(1)).reshape(-1).expand_as(self.m[name]))
+            self.v[name].copy_(st.get("exp_avg_sq", torch.zeros(1)).reshape(-1).expand_as(self.v[name]))
+
+    def _unit(self, name: str) -> str:
+        return next(u for u, ns in self.units.items() if name in ns)
+
+    def close(self) -> None:
+        self.wait_job()
+        self.pool.shutdown(wait=False)
+        self.driver.shutdown(wait=False)
