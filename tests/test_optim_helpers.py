@@ -1,4 +1,4 @@
-"""Shared helpers for the optimizer tests: a tiny GPT, its data, and the plain-torch reference loop."""
+"""Shared helpers for the optimizer tests (no tests here): a tiny GPT, its data, the plain-torch reference loop."""
 
 from __future__ import annotations
 
