@@ -7,11 +7,11 @@ import io
 
 import pytest
 import torch
+from test_optim_helpers import HP, batches, groups, max_rel_err, run_hybrid, run_reference, tiny_gpt
 
 from engine.models.gpt import gpt_loss
 from engine.optim import HybridDeviceOptimizer, fused_kernel
 from engine.optim.partition import split_for_offload, unit_of
-from test_optim_helpers import HP, batches, groups, max_rel_err, run_hybrid, run_reference, tiny_gpt
 
 FRACTIONS = [0.0, 0.25, 0.5, 1.0]
 HAVE_KERNEL = fused_kernel.load() is not None

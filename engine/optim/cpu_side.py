@@ -16,6 +16,7 @@ Without CUDA the copies are plain host copies and events are absent; the code pa
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -83,6 +84,7 @@ class CpuPart:
         self.h2d_event: dict[str, torch.cuda.Event | None] = dict.fromkeys(self.units)
         self.d2h_event: dict[str, torch.cuda.Event | None] = {}
         self.shipped: dict[str, torch.Tensor] = {}
+        self.timing = {"run_s": 0.0, "compute_s": 0.0}  # last step: whole driver run, and the arithmetic alone
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream()
             self.h2d_stream = torch.cuda.Stream()
@@ -159,6 +161,7 @@ class CpuPart:
 
     # ---- driver thread ----
     def _run(self, shipped, hypers, inv_scale, coef, bwd_done) -> None:
+        t_run, compute = time.perf_counter(), 0.0
         try:
             for u, names in self.units.items():
                 todo = [n for n in names if n in shipped]
@@ -167,12 +170,15 @@ class CpuPart:
                     if ev is not None:
                         ev.synchronize()
                 if todo:
+                    t = time.perf_counter()
                     if self.inner:
                         self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
                     else:
                         self._step_fused(todo, shipped, hypers, inv_scale, coef)
+                    compute += time.perf_counter() - t
                     self._upload(u, todo, bwd_done)
                 self.ready[u].set()
+            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute}
         finally:
             for e in self.ready.values():
                 e.set()

@@ -1,0 +1,184 @@
+"""`bin/bench optimizer`: the hybrid optimizer against megatron-core's HybridDeviceOptimizer on one GPU.
+
+Trains the built-in GPT (bf16 weights, fp32 masters) for a few iterations at each offload fraction
+with our optimizer and, in the same process on the same model and data, with Megatron's, built as
+megatron.core.optimizer builds it for `optimizer_cpu_offload` without TE/Apex: torch AdamW on both
+sides with fused=True, param_update_in_fp32=True, overlap on. Prints one table: median iteration time
+(forward + backward + clip + step), that time over ours at f=0, peak GPU memory, the CPU step time,
+and the loss difference from ours at f=0 at the last iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.models.gpt import GPT, gpt_loss
+from engine.optim import HybridDeviceOptimizer
+
+COMMAND = "bin/bench optimizer"
+
+
+def _megatron_hdo():
+    """megatron-core's HybridDeviceOptimizer class, or None with the reason printed."""
+    try:
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as Mcore
+
+        return Mcore
+    except Exception as e:  # noqa: BLE001 - the package import pulls in much; fall back to the one file
+        spec = importlib.util.find_spec("megatron")
+        if spec is None or not spec.submodule_search_locations:
+            print(f"megatron-core not importable ({e}); its rows are skipped")
+            return None
+        path = Path(list(spec.submodule_search_locations)[0]) / "core/optimizer/cpu_offloading/hybrid_optimizer.py"
+        mod_spec = importlib.util.spec_from_file_location("mcore_hybrid_optimizer", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        print(f"megatron.core package import failed ({e}); loaded {path} directly")
+        return mod.HybridDeviceOptimizer
+
+
+def _groups(model: torch.nn.Module, wd: float, named: bool) -> list[dict]:
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append((n, p) if named else p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
+    """The optimizer and its step(max_norm) -> None."""
+    if kind == "ours":
+        opt = HybridDeviceOptimizer(_groups(model, a.weight_decay, True), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+                                    offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
+                                    cpu_threads=a.cpu_threads)  # fmt: skip
+        opt.attach_model(model)
+        return opt, lambda: opt.clip_and_step(a.clip_grad)
+    mcore = _megatron_hdo()
+    # as megatron.core.optimizer.get_megatron_optimizer builds it when optimizer_cpu_offload is set
+    opt = mcore(
+        _groups(model, a.weight_decay, False),
+        offload_fraction=fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        overlap_cpu_optimizer_d2h_h2d=True,
+        pin_cpu_grads=True,
+        pin_cpu_params=True,
+        param_update_in_fp32=True,
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        bias_correction=True,
+        fused=True,
+    )
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)  # Megatron clips before the HDO steps
+        opt.step()
+
+    return opt, step
+
+
+def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
+    model.load_state_dict(init_state)
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t_setup = time.perf_counter()
+    opt, step = _build(kind, fraction, model, a)
+    setup_s = time.perf_counter() - t_setup
+    times, losses, cpu_steps = [], [], []
+    for it, tokens in enumerate(data):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = gpt_loss(model(tokens), tokens)
+        loss.backward()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+        if kind == "ours" and opt.cpu is not None and it >= a.warmup:
+            opt.cpu.wait_job()
+            cpu_steps.append(opt.cpu.timing["compute_s"])
+    if kind == "ours":
+        opt.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    host = opt.host_bytes() if kind == "ours" else None
+    if kind == "ours" and opt.cpu is not None:
+        opt.cpu.close()
+    del opt, step
+    return dict(
+        kind=kind, fraction=fraction, iter_s=statistics.median(times[a.warmup :]), peak=peak, losses=losses,
+        cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None, setup_s=setup_s, host=host,
+    )  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    ap.add_argument("--fractions", default="0,0.25,0.5,1")
+    ap.add_argument("--megatron-fractions", default="0.25,0.5,1", help="empty to skip Megatron")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--cpu-threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{COMMAND}: needs a CUDA device")
+        return 1
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,
+                    vocab_size=a.vocab)  # fmt: skip
+    model = model.to(torch.bfloat16)
+    init_state = {k: v.clone() for k, v in model.state_dict().items()}
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    data = [torch.randint(0, a.vocab, (a.micro_batch, a.seq), device="cuda", generator=g) for _ in range(a.iters)]
+    print(f"GPT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro-batch {a.micro_batch}, "
+          f"vocab {a.vocab}: {n_params / 1e9:.3f} B params, bf16 weights + fp32 masters; {a.iters} iterations, "
+          f"median of the last {a.iters - a.warmup}; clip_grad {a.clip_grad}")  # fmt: skip
+    runs = [("ours", float(f)) for f in a.fractions.split(",") if f]
+    runs += [("megatron", float(f)) for f in a.megatron_fractions.split(",") if f]
+    if any(k == "megatron" for k, _ in runs) and _megatron_hdo() is None:
+        runs = [r for r in runs if r[0] == "ours"]
+    results = []
+    for kind, f in runs:
+        r = _run(kind, f, model, init_state, data, a)
+        results.append(r)
+        cpu = f"{r['cpu_step_s'] * 1e3:.0f} ms" if r["cpu_step_s"] is not None else "-"
+        print(f"  done {kind:8s} f={f:<4}: {r['iter_s'] * 1e3:7.1f} ms/iter, peak {r['peak'] / 2**30:.1f} GiB, "
+              f"CPU step {cpu}, setup {r['setup_s']:.1f} s", flush=True)  # fmt: skip
+    base = next((r for r in results if r["kind"] == "ours" and r["fraction"] == 0.0), results[0])
+    print()
+    print("| optimizer | f | iteration (median) | vs ours f=0 | peak GPU memory | CPU step | loss delta vs f=0 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        mega = next((m for m in results if m["kind"] == "megatron" and m["fraction"] == r["fraction"]), None)
+        vs = f" ({mega['iter_s'] / r['iter_s']:.1f}x faster than Megatron)" if r["kind"] == "ours" and mega else ""
+        cpu = f"{r['cpu_step_s'] * 1e3:.0f} ms" if r["cpu_step_s"] is not None else "-"
+        dl = max(abs(x - y) for x, y in zip(r["losses"], base["losses"], strict=True))
+        it = f"{r['iter_s'] * 1e3:.1f} ms{vs}"
+        print(f"| {r['kind']} | {r['fraction']} | {it} | {r['iter_s'] / base['iter_s']:.2f}x | "
+              f"{r['peak'] / 2**30:.2f} GiB | {cpu} | {dl:.2e} |")  # fmt: skip
+    print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
