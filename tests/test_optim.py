@@ -230,3 +230,15 @@ def test_state_bytes_follow_fraction():
         dev_elems = sum(s["exp_avg"].numel() for s in opt.gpu.opt.state.values()) if opt.gpu.opt else 0
         assert abs(dev_elems - (1 - f) * total) <= largest / 2
         assert (opt.host_bytes() > 0) == (f > 0)
+
+
+def test_close_removes_hooks():
+    model = tiny_gpt()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), lr=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True
+    )
+    opt.attach_model(model)
+    opt.close()
+    tokens = batches(1, 1)[0][0]
+    gpt_loss(model(tokens), tokens).backward()  # no hook fires: the grads stay where autograd put them
+    assert all(p.grad is not None for p in model.parameters())

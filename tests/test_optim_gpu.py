@@ -86,6 +86,7 @@ def test_peak_gpu_memory_falls_with_fraction():
         opt.synchronize()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
+        opt.close()
         del model, opt
         torch.cuda.empty_cache()
     assert peaks[0] > peaks[1] > peaks[2], peaks

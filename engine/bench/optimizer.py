@@ -112,9 +112,15 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
         opt.synchronize()
     peak = torch.cuda.max_memory_allocated()
     host = opt.host_bytes() if kind == "ours" else None
-    if kind == "ours" and opt.cpu is not None:
-        opt.cpu.close()
+    if kind == "ours":
+        opt.close()  # removes its hooks from the model, which would otherwise keep it alive
     del opt, step
+    for p in model.parameters():
+        p.grad = None
+    for name in ("_host_emptyCache", "_cuda_hostEmptyCache"):  # Megatron's pinned buffers come from torch's
+        if hasattr(torch._C, name):  # caching host allocator, which keeps them after they are freed
+            getattr(torch._C, name)()
+            break
     return dict(
         kind=kind, fraction=fraction, iter_s=statistics.median(times[a.warmup :]), peak=peak, losses=losses,
         cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None, setup_s=setup_s, host=host,

@@ -291,6 +291,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.cpu.close()
         self.gpu, self.cpu = None, None
 
+    def close(self) -> None:
+        """Finish pending work, remove the hooks on the model and stop the worker threads.
+
+        The hooks hold this optimizer, so without close() it lives as long as the model does."""
+        self.synchronize()
+        for h in self._hook_handles + self._pre_hooks:
+            h.remove()
+        self._hook_handles, self._pre_hooks, self._attached = [], [], False
+        self._close_sides()
+
     def synchronize(self) -> None:
         """Wait until every update is in the model's weights (before reading them outside a forward)."""
         if self.cpu is not None:
