@@ -58,7 +58,7 @@ def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
                                     offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
                                     cpu_threads=a.cpu_threads)  # fmt: skip
         opt.attach_model(model)
-        return opt, lambda: opt.clip_and_step(a.clip_grad)
+        return opt, lambda: opt.clip_and_step(a.clip_grad)[0]
     mcore = _megatron_hdo()
     # as megatron.core.optimizer.get_megatron_optimizer builds it when optimizer_cpu_offload is set
     opt = mcore(
@@ -79,8 +79,9 @@ def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
     )
 
     def step():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)  # Megatron clips before the HDO steps
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)  # Megatron clips, then steps
         opt.step()
+        return norm
 
     return opt, step
 
@@ -95,18 +96,20 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
     t_setup = time.perf_counter()
     opt, step = _build(kind, fraction, model, a)
     setup_s = time.perf_counter() - t_setup
-    times, losses, cpu_steps = [], [], []
+    times, losses, norms, cpu_steps = [], [], [], []
     for it, tokens in enumerate(data):
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = gpt_loss(model(tokens), tokens)
         loss.backward()
-        step()
+        norm = step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
-        if kind == "ours" and opt.cpu is not None and it >= a.warmup:
-            opt.cpu.wait_job()
+        norms.append(float(norm))
+        if kind == "ours" and opt.cpu is not None and it > a.warmup:
+            # the CPU step of the previous iteration, finished by now (this forward waited for it);
+            # read without waiting, so the current step still overlaps the next iteration
             cpu_steps.append(opt.cpu.timing["compute_s"])
     if kind == "ours":
         opt.synchronize()
@@ -123,7 +126,7 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
             break
     return dict(
         kind=kind, fraction=fraction, iter_s=statistics.median(times[a.warmup :]), peak=peak, losses=losses,
-        cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None, setup_s=setup_s, host=host,
+        norms=norms, cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None, setup_s=setup_s, host=host,
     )  # fmt: skip
 
 
@@ -170,6 +173,8 @@ def main(argv: list[str]) -> int:
         cpu = f"{r['cpu_step_s'] * 1e3:.0f} ms" if r["cpu_step_s"] is not None else "-"
         print(f"  done {kind:8s} f={f:<4}: {r['iter_s'] * 1e3:7.1f} ms/iter, peak {r['peak'] / 2**30:.1f} GiB, "
               f"CPU step {cpu}, setup {r['setup_s']:.1f} s", flush=True)  # fmt: skip
+        losses, norms = " ".join(f"{x:.3f}" for x in r["losses"]), " ".join(f"{x:.2f}" for x in r["norms"])
+        print(f"      loss {losses} | grad norm {norms}")
     base = next((r for r in results if r["kind"] == "ours" and r["fraction"] == 0.0), results[0])
     print()
     print("| optimizer | f | iteration (median) | vs ours f=0 | peak GPU memory | CPU step | loss delta vs f=0 |")
