@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
@@ -242,3 +243,46 @@ def test_close_removes_hooks():
     tokens = batches(1, 1)[0][0]
     gpt_loss(model(tokens), tokens).backward()  # no hook fires: the grads stay where autograd put them
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _NeverGo(threading.Event):
+    """Keeps the driver speculating on every queued unit even after the clip factor is known, so the
+    test sees every unit go through the speculative path however fast this machine's backward is."""
+
+    def is_set(self) -> bool:
+        return False
+
+
+def _speculating_run(fraction: float, data) -> tuple[torch.nn.Module, HybridDeviceOptimizer]:
+    model = tiny_gpt()
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=fraction,
+                                overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    opt.attach_model(model)
+    opt.cpu.go = _NeverGo()
+    return run_hybrid(model, data, max_norm=0.0, opt=opt)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_speculative_step_commits_when_unclipped(fraction, monkeypatch):
+    """With overlap, units are stepped out of place during backward; unclipped steps commit that result,
+    which is bit for bit the in-place step's (same kernel), and with torch's kernel bit for bit torch's."""
+    data = batches(6, micro=2)
+    ours, opt = _speculating_run(fraction, data)
+    assert opt.cpu.speculate and opt.cpu.timing["speculated"] == len(opt.cpu.units)
+    plain, _ = run_hybrid(tiny_gpt(), data, max_norm=0.0, offload_fraction=fraction)  # no overlap: no guessing
+    for a, b in zip(ours.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(fused_kernel, "_lib", None)
+    monkeypatch.setattr(fused_kernel, "_tried", True)
+    ours, _ = _speculating_run(fraction, data)
+    ref = run_reference(tiny_gpt(), data, max_norm=0.0)
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_clipped_steps_do_not_commit_a_guess():
+    """Always clipped: the first step's guess is thrown away and later steps do not guess."""
+    data = batches(4, micro=1)
+    clipped, opt = run_hybrid(tiny_gpt(), data, max_norm=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True)
+    assert opt.cpu.timing["speculated"] == 0
+    assert max_rel_err(clipped, run_reference(tiny_gpt(), data, max_norm=1e-3)) <= 1e-6

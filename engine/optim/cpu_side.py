@@ -15,8 +15,10 @@ Without CUDA the copies are plain host copies and events are absent; the code pa
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -38,8 +40,15 @@ class CpuPart:
         pin_grads: bool,
         pin_params: bool,
         threads: int,
+        speculate: bool = False,
+        hyper_source: Callable[[], list[Hyper]] | None = None,
     ) -> None:
-        """entries: (name, param, group index, unit) in forward order."""
+        """entries: (name, param, group index, unit) in forward order.
+
+        speculate: step each unit as soon as its gradients are on the host, before the clip factor is
+        known, out of place into a second bank of master/m/v buffers; the result is committed (the banks
+        swap) only if the step turns out unclipped and unscaled with the same hyperparameters
+        (hyper_source() read at that time), and is otherwise recomputed in place: exact either way."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
@@ -57,8 +66,9 @@ class CpuPart:
         if len(half) > 1:
             raise ValueError(f"CPU-stepped parameters mix half dtypes {sorted(map(str, half))}; use one")
         # fp32 weights travel back from the master itself, so it is the pinned buffer then
+        self.half = bool(half)
         self.master = FlatViews(layout, torch.float32, pin_params and self.cuda and not half)
-        self.upload = FlatViews(layout, half.pop(), pin_params and self.cuda) if half else self.master
+        self.upload = FlatViews(layout, half.pop(), pin_params and self.cuda) if half else None
         with torch.no_grad():
             for n, p in self.params.items():
                 self.master[n].copy_(p.detach().reshape(-1))
@@ -73,6 +83,21 @@ class CpuPart:
             self.v = FlatViews(layout, torch.float32, False)
             self.m.flat.zero_()
             self.v.flat.zero_()
+        # cur[name] = (master, m, v) views in use; alt[name] the other bank, where speculation writes
+        self.cur = {n: (self.master[n], getattr(self, "m", None) and self.m[n], getattr(self, "v", None) and self.v[n])
+                    for n in self.params}  # fmt: skip
+        self.speculate = bool(speculate and kind == "adam" and not self.inner)
+        self.hyper_source = hyper_source
+        self.alt: dict[str, tuple] = {}
+        if self.speculate:
+            self.banks2 = [FlatViews(layout, torch.float32, pin_params and self.cuda and not half) for _ in range(3)]
+            self.alt = {n: tuple(b[n] for b in self.banks2) for n in self.params}
+        self.spec_ok = True  # speculate this step: the last one was not clipped
+        self.q: queue.Queue = queue.Queue()
+        self.open = False  # a step's driver job is running and has not been told to go or stop
+        self.unit_left: dict[str, int] = {}
+        self.unit_of = {n: u for u, ns in self.units.items() for n in ns}
+        self.go = threading.Event()
         self.g32: FlatViews | None = None
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam")
@@ -103,9 +128,17 @@ class CpuPart:
                 self.inner[u] = torch.optim.SGD(groups, lr=0.0, momentum=0.0)
 
     # ---- main thread ----
+    def _open_step(self) -> None:
+        if not self.open:
+            self.wait_job()  # the previous step must be done reading the host buffers
+            self.unit_left = {u: len(ns) for u, ns in self.units.items()}
+            self.go.clear()
+            self.job = self.driver.submit(self._run)
+            self.open = True
+
     def ship(self, name: str, grad: torch.Tensor) -> None:
         """Start the copy of a final gradient to host memory (grad: the parameter's shape, any float dtype)."""
-        self.wait_job()  # the previous step must be done reading the host gradient buffer
+        self._open_step()
         if grad.dtype not in self.grads:
             self.grads[grad.dtype] = FlatViews(self.layout, grad.dtype, self.pin_grads)
         buf = self.grads[grad.dtype][name]
@@ -117,19 +150,33 @@ class CpuPart:
             grad.record_stream(self.d2h_stream)  # its memory returns to the pool only after the copy
         else:
             buf.copy_(grad.reshape(-1))
+        first = name not in self.shipped
         self.shipped[name] = buf
+        u = self.unit_of[name]
+        if first:
+            self.unit_left[u] -= 1
+            if self.unit_left[u] == 0 and self.speculate and self.spec_ok:
+                self.q.put(("spec", u, dict(self.shipped)))
 
     def launch(self, hypers: list[Hyper], inv_scale: float, coef: float) -> None:
         """Step every shipped parameter on the driver thread; returns at once."""
         bwd_done = torch.cuda.current_stream().record_event() if self.cuda else None
         for e in self.ready.values():
             e.clear()
+        self._open_step()
         shipped, self.shipped = self.shipped, {}
-        self.job = self.driver.submit(self._run, shipped, hypers, inv_scale, coef, bwd_done)
+        self.go.set()  # the driver stops speculating at the next unit boundary
+        self.q.put(("go", shipped, hypers, inv_scale, coef, bwd_done))
+        self.open = False
+        self.spec_ok = coef == 1.0 and inv_scale == 1.0  # a clipped step predicts a clipped next one
 
     def discard(self) -> None:
-        """Drop shipped gradients without stepping (non-finite step)."""
+        """Drop shipped gradients without stepping (non-finite step, or zero_grad with no step)."""
         self.shipped = {}
+        if self.open:
+            self.go.set()
+            self.q.put(("stop",))
+            self.open = False
 
     def wait_unit(self, unit: str) -> None:
         if not self.ready[unit].is_set():
@@ -150,8 +197,8 @@ class CpuPart:
             self.wait_unit(u)
 
     def host_bytes(self) -> int:
-        views = [self.master, *self.grads.values()]
-        views += [self.upload] if self.upload is not self.master else []
+        views = [self.master, *self.grads.values(), *getattr(self, "banks2", [])]
+        views += [self.upload] if self.upload is not None else []
         views += [self.m, self.v] if hasattr(self, "m") else []
         views += [self.g32] if self.g32 is not None else []
         n = sum(v.nbytes for v in views)
@@ -160,47 +207,84 @@ class CpuPart:
         return n
 
     # ---- driver thread ----
-    def _run(self, shipped, hypers, inv_scale, coef, bwd_done) -> None:
-        t_run, compute = time.perf_counter(), 0.0
+    def _run(self) -> None:
+        """One step on the driver thread: speculate on units as they arrive, then commit or compute in order."""
+        spec: dict[str, dict[str, Hyper]] = {}  # unit -> the hyperparameters each of its params was stepped with
+        compute = 0.0
         try:
+            while True:
+                msg = self.q.get()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "go":
+                    break
+                _, u, shipped = msg
+                if self.go.is_set():
+                    continue  # the clip factor is known: no more guessing
+                hypers = self.hyper_source()
+                names = [n for n in self.units[u] if n in shipped]
+                self._wait_d2h(names)
+                t = time.perf_counter()
+                self._step_fused(names, shipped, hypers, 1.0, 1.0, out_of_place=True)
+                compute += time.perf_counter() - t
+                spec[u] = {n: hypers[self.group_of[n]] for n in names}
+            _, shipped, hypers, inv_scale, coef, bwd_done = msg
+            t_run = time.perf_counter()
             for u, names in self.units.items():
                 todo = [n for n in names if n in shipped]
-                for n in todo:
-                    ev = self.d2h_event.pop(n, None)
-                    if ev is not None:
-                        ev.synchronize()
                 if todo:
+                    self._wait_d2h(todo)
+                    guess = spec.get(u)
                     t = time.perf_counter()
-                    if self.inner:
+                    if (guess is not None and coef == 1.0 and inv_scale == 1.0 and set(guess) == set(todo)
+                            and all(guess[n] == hypers[self.group_of[n]] for n in todo)):  # fmt: skip
+                        for n in todo:  # commit: the speculative bank becomes the current one
+                            self.cur[n], self.alt[n] = self.alt[n], self.cur[n]
+                    elif self.inner:
                         self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
                     else:
-                        self._step_fused(todo, shipped, hypers, inv_scale, coef)
+                        self._step_fused(todo, shipped, hypers, inv_scale, coef, out_of_place=False)
+                    for n in todo:
+                        self.steps[n] += 1
                     compute += time.perf_counter() - t
                     self._upload(u, todo, bwd_done)
                 self.ready[u].set()
-            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute}
+            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": len(spec)}
         finally:
             for e in self.ready.values():
                 e.set()
 
-    def _step_fused(self, names, shipped, hypers, inv_scale, coef) -> None:
+    def _wait_d2h(self, names: list[str]) -> None:
+        for n in names:
+            ev = self.d2h_event.get(n)
+            if ev is not None:
+                ev.synchronize()
+
+    def _upload_view(self, n: str) -> torch.Tensor:
+        return self.upload[n] if self.upload is not None else self.cur[n][0]
+
+    def _step_fused(self, names, shipped, hypers, inv_scale, coef, out_of_place: bool) -> None:
+        """AdamW on names from the current bank into the other bank (out of place) or the current one."""
         futs = []
         for n in names:
-            self.steps[n] += 1
-            s = adamw_scalars(hypers[self.group_of[n]], self.steps[n], inv_scale, coef)
-            p, m, v, g = self.master[n], self.m[n], self.v[n], shipped[n]
-            half = None if self.upload is self.master else self.upload[n]
+            s = adamw_scalars(hypers[self.group_of[n]], self.steps[n] + 1, inv_scale, coef)
+            p, m, v = self.cur[n]
+            po, mo, vo = self.alt[n] if out_of_place else (p, m, v)
+            g = shipped[n]
+            half = self.upload[n] if self.upload is not None else None
             if self.lib is None:
-                adamw_torch_(p, m, v, g, None, s)
+                if out_of_place:
+                    po.copy_(p), mo.copy_(m), vo.copy_(v)
+                adamw_torch_(po, mo, vo, g, None, s)
                 if half is not None:
-                    half.copy_(p)
+                    half.copy_(po)
                 continue
             numel = p.numel()
             chunk = max(_MIN_SLICE, -(-numel // self.threads))
             for a in range(0, numel, chunk):
                 b = min(numel, a + chunk)
                 futs.append(
-                    self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, p, m, v, g, None, p, m, v, half, s)
+                    self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, p, m, v, g, None, po, mo, vo, half, s)
                 )
         for f in futs:
             f.result()
@@ -220,7 +304,6 @@ class CpuPart:
             if coef != 1.0:
                 g.mul_(coef)
             self.master[n].grad = g
-            self.steps[n] += 1
         for group in opt.param_groups:
             h = hypers[group["gi"]]
             group.update(lr=h.lr, weight_decay=h.weight_decay)
@@ -231,7 +314,7 @@ class CpuPart:
         opt.step()
         for n in names:
             self.master[n].grad = None
-            if self.upload is not self.master:
+            if self.upload is not None:
                 self.upload[n].copy_(self.master[n])
         del todo
 
@@ -241,18 +324,19 @@ class CpuPart:
                 self.h2d_stream.wait_event(bwd_done)  # the last backward may still read these weights
                 for n in names:
                     p = self.params[n]
-                    p.data.copy_(self.upload[n].view(p.shape), non_blocking=True)
+                    p.data.copy_(self._upload_view(n).view(p.shape), non_blocking=True)
                 self.h2d_event[unit] = self.h2d_stream.record_event()
         else:
             with torch.no_grad():
                 for n in names:
                     p = self.params[n]
-                    p.data.copy_(self.upload[n].view(p.shape))
+                    p.data.copy_(self._upload_view(n).view(p.shape))
 
     # ---- state (called with no step in flight) ----
     def export(self, name: str) -> dict:
-        st: dict = {"step": self.steps[name], "master": self.master[name].view(self.params[name].shape).clone()}
         shape = self.params[name].shape
+        p, m, v = self.cur[name]
+        st: dict = {"step": self.steps[name], "master": p.view(shape).clone()}
         if self.inner:
             opt = self.inner[self._unit(name)]
             s = opt.state.get(self.master[name], {})
@@ -260,15 +344,16 @@ class CpuPart:
                 if torch.is_tensor(s.get(k)):
                     st[k] = s[k].view(shape).clone()
         elif self.kind == "adam":
-            st["exp_avg"] = self.m[name].view(shape).clone()
-            st["exp_avg_sq"] = self.v[name].view(shape).clone()
+            st["exp_avg"] = m.view(shape).clone()
+            st["exp_avg_sq"] = v.view(shape).clone()
         return st
 
     def load(self, name: str, st: dict) -> None:
         self.steps[name] = int(st["step"])
-        self.master[name].copy_(st["master"].reshape(-1))
-        if self.upload is not self.master:
-            self.upload[name].copy_(self.master[name])
+        p, m, v = self.cur[name]
+        p.copy_(st["master"].reshape(-1))
+        if self.upload is not None:
+            self.upload[name].copy_(p)
         if self.inner:
             opt = self.inner[self._unit(name)]
             key = self.master[name]
@@ -279,13 +364,14 @@ class CpuPart:
                 new["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
             opt.state[key] = new
         elif self.kind == "adam":
-            self.m[name].copy_(st.get("exp_avg", torch.zeros(1)).reshape(-1).expand_as(self.m[name]))
-            self.v[name].copy_(st.get("exp_avg_sq", torch.zeros(1)).reshape(-1).expand_as(self.v[name]))
+            m.copy_(st.get("exp_avg", torch.zeros(1)).reshape(-1).expand_as(m))
+            v.copy_(st.get("exp_avg_sq", torch.zeros(1)).reshape(-1).expand_as(v))
 
     def _unit(self, name: str) -> str:
         return next(u for u, ns in self.units.items() if name in ns)
 
     def close(self) -> None:
+        self.discard()
         self.wait_job()
         self.pool.shutdown(wait=False)
         self.driver.shutdown(wait=False)

@@ -152,7 +152,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.gpu = GpuPart([(n, p, gi[n]) for n, p in named if n not in self.cpu_names], kind=opts["kind"],
                            n_groups=len(self.param_groups))  # fmt: skip
         if self.cpu_names:
-            self.cpu = CpuPart([(n, p, gi[n], unit_of(n)) for n, p in named if n in self.cpu_names], **opts)
+            entries = [(n, p, gi[n], unit_of(n)) for n, p in named if n in self.cpu_names]
+            hypers = lambda: [Hyper.of(g) for g in self.param_groups]  # noqa: E731 - read by the driver thread
+            self.cpu = CpuPart(entries, **opts, speculate=self.overlap, hyper_source=hypers)
 
     # ---------------------------------------------------------------- gradients
     def set_grad_final(self, is_final: bool) -> None:
