@@ -96,7 +96,7 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
     t_setup = time.perf_counter()
     opt, step = _build(kind, fraction, model, a)
     setup_s = time.perf_counter() - t_setup
-    times, losses, norms, cpu_steps = [], [], [], []
+    times, losses, norms, cpu_steps, speculated = [], [], [], [], []
     for it, tokens in enumerate(data):
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -111,6 +111,7 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
             # the CPU step of the previous iteration, finished by now (this forward waited for it);
             # read without waiting, so the current step still overlaps the next iteration
             cpu_steps.append(opt.cpu.timing["compute_s"])
+            speculated.append(opt.cpu.timing.get("speculated", 0))
     if kind == "ours":
         opt.synchronize()
     peak = torch.cuda.max_memory_allocated()
@@ -126,7 +127,8 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
             break
     return dict(
         kind=kind, fraction=fraction, iter_s=statistics.median(times[a.warmup :]), peak=peak, losses=losses,
-        norms=norms, cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None, setup_s=setup_s, host=host,
+        norms=norms, speculated=speculated, cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None,
+        setup_s=setup_s, host=host,
     )  # fmt: skip
 
 
@@ -174,7 +176,7 @@ def main(argv: list[str]) -> int:
         print(f"  done {kind:8s} f={f:<4}: {r['iter_s'] * 1e3:7.1f} ms/iter, peak {r['peak'] / 2**30:.1f} GiB, "
               f"CPU step {cpu}, setup {r['setup_s']:.1f} s", flush=True)  # fmt: skip
         losses, norms = " ".join(f"{x:.3f}" for x in r["losses"]), " ".join(f"{x:.2f}" for x in r["norms"])
-        print(f"      loss {losses} | grad norm {norms}")
+        print(f"      loss {losses} | grad norm {norms} | units stepped during backward {r['speculated']}")
     base = next((r for r in results if r["kind"] == "ours" and r["fraction"] == 0.0), results[0])
     print()
     print("| optimizer | f | iteration (median) | vs ours f=0 | peak GPU memory | CPU step | loss delta vs f=0 |")
