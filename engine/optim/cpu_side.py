@@ -2,12 +2,16 @@
 
 Lifecycle of one step for the parameters it owns:
   ship(name, grad)   main thread, as soon as a gradient is final (a backward hook in overlap mode):
-                     copies it on the D2H stream into a pinned host buffer and records an event.
-  launch(...)        main thread, once the clip factor is known: hands the step to the driver thread.
-  _run               driver thread: per layer unit in forward order, waits for that unit's D2H
-                     events, runs the fused pass over slices on `threads` worker threads (the GIL is
-                     released in the C call), then copies the new weights to the GPU on the H2D
-                     stream and marks the unit ready.
+                     copies it on the D2H stream into a pinned host buffer and records an event;
+                     the first ship of a step starts the step's job on the driver thread.
+  speculation        driver thread, overlap mode, while backward still runs: each layer unit whose
+                     gradients are all shipped is stepped out of place (second bank of master/m/v)
+                     as if unclipped, with the hyperparameters of that moment.
+  launch(...)        main thread, once the clip factor is known: tells the driver to go.
+  commit             driver thread, per unit in forward order: a guess made with the final clip
+                     factor (1.0), scale and hyperparameters is committed by swapping banks; any other
+                     unit is stepped in place now (the fused pass on `threads` worker threads, GIL
+                     released in the C call). Then the unit's weights go to the GPU on the H2D stream.
   wait_unit(unit)    main thread, from the unit's forward pre-hook: the next forward waits for the
                      layer it is about to run, and only on the GPU (an event wait), not on the host.
 Without CUDA the copies are plain host copies and events are absent; the code path is the same.
@@ -293,7 +297,6 @@ class CpuPart:
         opt = self.inner[unit]
         if self.g32 is None:
             self.g32 = FlatViews(self.layout, torch.float32, False)
-        todo = set(names)
         for n in self.units[unit]:
             self.master[n].grad = None
         for n in names:
@@ -316,7 +319,6 @@ class CpuPart:
             self.master[n].grad = None
             if self.upload is not None:
                 self.upload[n].copy_(self.master[n])
-        del todo
 
     def _upload(self, unit: str, names: list[str], bwd_done) -> None:
         if self.cuda:
