@@ -151,9 +151,8 @@ class Engine:
         """The config's data section as an iterator of micro-batches."""
         d, m = self.config.data, self.config.model
         tokens = load_tokens(d.source, d.path, d.token_dtype, d.max_bytes, m.vocab_size)
-        return TokenBatches(
-            tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed, rank, world_size
-        )
+        return TokenBatches(tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed,
+                            rank, world_size)
 
     # -- accounting -----------------------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -179,10 +178,8 @@ class Engine:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_scaler": self.scaler.state_dict(),
-            "rng": {
-                "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
             "data": self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None,
             "client_state": client_state or {},
         }
@@ -236,13 +233,7 @@ def initialize(
     elif cfg.optimizer.optimizer_cpu_offload:
         raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
     o = cfg.optimizer
-    scheduler = WarmupDecayLR(
-        optimizer,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        warmup_iters=o.lr_warmup_iters,
-        decay_iters=o.lr_decay_iters or cfg.train.train_iters,
-        style=o.lr_decay_style,
-    )
+    scheduler = WarmupDecayLR(optimizer, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
+                              decay_iters=o.lr_decay_iters or cfg.train.train_iters, style=o.lr_decay_style)
     eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader)
     return eng, optimizer, scheduler
