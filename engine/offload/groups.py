@@ -11,6 +11,7 @@ unpacked once; host buffers back to the pool, device copies dropped).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,10 +66,11 @@ class Stash:
 class Slot:
     """What autograd holds instead of a saved tensor: the view's geometry over a stash. No tensor reference."""
 
-    __slots__ = ("group", "stash", "dtype", "size", "stride", "offset")
+    __slots__ = ("group", "stash", "dtype", "size", "stride", "offset", "last")
 
     def __init__(self, group: Group, stash: Stash, t: torch.Tensor) -> None:
         self.group, self.stash = group, stash
+        self.last: weakref.ref | None = None  # the tensor the last unpack returned
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
@@ -124,6 +126,9 @@ class Group:
         self.state = RELOADING
 
     def unpack(self, slot: Slot) -> torch.Tensor:
+        again = slot.last() if slot.last is not None else None
+        if again is not None:  # read twice while still in use (ctx.saved_tensors twice in a custom Function)
+            return again
         if self.state == OFFLOADED:  # nothing prefetched it (no backward hook fired first): fetch now
             self.session.reload_now(self)
         if self.state != RELOADING:
@@ -136,8 +141,10 @@ class Group:
         itemsize = slot.dtype.itemsize
         out = torch.empty(0, dtype=slot.dtype, device=dev.device)
         out.set_(dev.untyped_storage(), dev.storage_offset() // itemsize + slot.offset, slot.size, slot.stride)
-        self.n_unpacked += 1
-        if self.n_unpacked == self.n_slots:
+        if slot.last is None:  # each slot counts once
+            self.n_unpacked += 1
+        slot.last = weakref.ref(out)
+        if self.n_unpacked == self.n_slots and self.state != DONE:
             self.finish()
         return out
 
@@ -145,6 +152,7 @@ class Group:
         """Every slot was used: host buffers back to the pool, device copies dropped (autograd holds its own)."""
         self._release()
         self.state = DONE
+        self.session.group_done(self)
 
     def _release(self) -> None:
         s = self.session

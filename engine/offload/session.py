@@ -10,8 +10,9 @@ Schedule (CUDA; on CPU the same calls copy at once):
   nothing unless the copies are more than a unit behind, which is the PCIe floor anyway);
 - backward: when the gradient of unit j's output arrives (its backward starts), unit j's group is reloaded if
   nothing prefetched it, then the groups of units j-1 .. j-lookahead are issued on the H2D stream, so they
-  come back while unit j computes. `lookahead` is 1 with double buffering (two reused device buffers), else
-  chosen by the caller so reloaded groups never exceed what backward has already freed.
+  come back while unit j computes. `lookahead` is 1 with double buffering (two device buffers reused by every
+  reload of one backward, freed once unit 0 is done), else chosen by the caller so reloaded groups never
+  exceed what backward has already freed.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class DoubleBuffer:
         self.slabs: list[torch.Tensor | None] = [None, None]
         self.owners: list[weakref.ref | None] = [None, None]
         self.parity = 0
+        self.served = 0  # reloads that went into a slab (for tests and metrics)
+
+    def free(self) -> None:
+        """Backward has passed the offloaded units: the slabs go back to the allocator until the next one."""
+        self.slabs, self.owners = [None, None], [None, None]
 
     def take(self, group: Group) -> list[torch.Tensor] | None:
         p, self.parity = self.parity, self.parity ^ 1
@@ -54,9 +60,10 @@ class DoubleBuffer:
             return None  # its last occupant is still in use (an unusual backward order): allocate instead
         sizes = [round_up(st.nbytes) for st in group.stashes]
         if self.slabs[p] is None or self.slabs[p].numel() < sum(sizes):
-            self.slabs[p] = None  # grows to the largest group once, then is reused
+            self.slabs[p] = None  # grows to the largest group, then is reused by every reload of this backward
             self.slabs[p] = self.transfers.alloc(sum(sizes))
         self.owners[p] = weakref.ref(group)
+        self.served += 1
         out, offset = [], 0
         for st, size in zip(group.stashes, sizes, strict=True):
             out.append(self.slabs[p][offset : offset + st.nbytes])
@@ -149,6 +156,10 @@ class OffloadSession:
     def reload_now(self, group: Group) -> None:
         dests = self.double_buffer.take(group) if self.double_buffer is not None else None
         group.reload(dests)
+
+    def group_done(self, group: Group) -> None:
+        if self.double_buffer is not None and group.index == 0:  # the last reload of this backward was used
+            self.double_buffer.free()
 
     # ---- metrics -------------------------------------------------------------------------------------
     def close(self) -> None:
