@@ -127,8 +127,10 @@ def bench_seq(seq: int, args, bw: tuple[float, float], emit) -> list[dict]:  # n
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     rows: list[dict] = []
-    plan = [("none", 0)] + [("offload", k) for k in args.ks if k] + [("offload-db", k) for k in args.db_ks if k]
-    plan += [("save_on_cpu", k) for k in args.baseline_ks]
+    # largest k first in each family: smaller ones then reuse the pinned blocks the largest one cached
+    plan = [("none", 0)] + [("offload", k) for k in sorted(args.ks, reverse=True) if k]
+    plan += [("offload-db", k) for k in sorted(args.db_ks, reverse=True) if k]
+    plan += [("save_on_cpu", k) for k in sorted(args.baseline_ks, reverse=True) if k]
     for i, (mode, k) in enumerate(plan):
         if mode == "save_on_cpu" and plan[i - 1][0] != "save_on_cpu":
             torch._C._host_emptyCache()  # our pool's pinned blocks: their sizes don't suit save_on_cpu's

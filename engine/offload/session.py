@@ -5,9 +5,10 @@ only mark where backward is. One forward pass makes one *chain* of groups, one p
 interleaved micro-batches (pipeline schedules) keep separate chains and each reloads its own predecessors.
 
 Schedule (CUDA; on CPU the same calls copy at once):
-- forward: each saved storage is copied out as soon as it is saved; before unit j runs, compute waits for the
-  offload copies of unit j-2, so at most two units' tensors are in flight (this bounds memory, and costs
-  nothing unless the copies are more than a unit behind, which is the PCIe floor anyway);
+- forward: each saved storage is copied out as soon as it is saved; before offloading unit j runs, compute
+  waits for the offload copies of unit j-2, so at most two units' tensors are in flight (this bounds memory,
+  and costs nothing unless the copies are more than a unit behind, which is the PCIe floor anyway); units
+  that do not offload never wait, so the last copies overlap them;
 - backward: when the gradient of unit j's output arrives (its backward starts), unit j's group is reloaded if
   nothing prefetched it, then the groups of units j-1 .. j-lookahead are issued on the H2D stream, so they
   come back while unit j computes. `lookahead` is 1 with double buffering (two device buffers reused by every
@@ -127,11 +128,11 @@ class OffloadSession:
             chain = self.chain = Chain(self.n_units)
             self._refresh_params()
         chain.last = unit
+        if not offloads:  # copies still in flight overlap these units freely: their memory is not the peak
+            return None
         behind = chain.group(unit - 2)
         if behind is not None and behind.state != DONE:
             self.transfers.wait(behind.out_done)  # backpressure: at most two units of copies in flight
-        if not offloads:
-            return None
         group = Group(self, unit)
         chain.groups[unit] = weakref.ref(group)
         return group
