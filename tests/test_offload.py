@@ -322,6 +322,8 @@ def test_fine_grained_interleaved_microbatches(order: str) -> None:
 
 
 def test_fine_grained_errors() -> None:
+    with pytest.raises(ValueError, match="model.offload_modules is empty"):
+        apply_fine_grained_offloading(make_gpt(), modules=[])
     with pytest.raises(ValueError, match=r"offload_modules=\['nope'\] matches no sub-module of TransformerLayer"):
         apply_fine_grained_offloading(make_gpt(), modules=("nope",))
     with pytest.raises(ValueError, match="chooses both 'attn' and 'attn.proj'"):

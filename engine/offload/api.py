@@ -68,6 +68,11 @@ def apply_fine_grained_offloading(
     module's forward call is one group, reloaded one group ahead in backward. Interleaved micro-batches of a
     pipeline schedule are fine: each forward pass links only its own groups.
     """
+    if not modules:
+        raise ValueError(
+            "model.offload_modules is empty: name the sub-modules of a layer to offload, "
+            'e.g. ["attn_norm", "attn", "mlp_norm", "mlp"] for the built-in GPT'
+        )
     layers = find_layers(model, layers_path)
     chosen = [m for layer in layers for _, m in find_submodules(layer, tuple(modules))]
     if not chosen:
