@@ -360,3 +360,24 @@ def test_custom_function_reading_saved_tensors_twice() -> None:
     model(x).sum().backward()
     assert_same_grads(ref, model)
     assert off.host_bytes() == 0
+
+
+class InPlaceAfterSave(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = h.sin()  # saves h
+        h.add_(1)  # changes it afterwards: autograd refuses this, and so must offloading
+        return x + y + h
+
+
+def test_in_place_change_of_a_saved_tensor_is_refused() -> None:
+    for k in (0, 1):
+        model = Stack(InPlaceAfterSave, 2)
+        apply_activation_offloading(model, num_layers=k, min_bytes=0)
+        out = model(torch.randn(4, 8))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()

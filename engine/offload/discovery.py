@@ -6,6 +6,8 @@ Order of search: an explicit dotted path, the built-in GPT's `layers`, megatron-
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 _PATH_HINT = "set model.cpu_offloading_layers_path to the dotted path of the ModuleList of transformer layers"
@@ -28,15 +30,13 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
 
 
 def _megatron_blocks(model: nn.Module) -> list[nn.Module]:
-    try:  # the real class where megatron-core is installed, else match by name (wrappers, vendored copies)
-        from megatron.core.transformer.transformer_block import TransformerBlock  # type: ignore
+    # a megatron-core model has imported megatron already: look it up rather than import it (slow, noisy);
+    # the class name also matches wrappers and vendored copies
+    mod = sys.modules.get("megatron.core.transformer.transformer_block")
+    real = getattr(mod, "TransformerBlock", None)
 
-        def is_block(m: nn.Module) -> bool:
-            return isinstance(m, TransformerBlock)
-    except Exception:
-
-        def is_block(m: nn.Module) -> bool:
-            return type(m).__name__ == "TransformerBlock"
+    def is_block(m: nn.Module) -> bool:
+        return (real is not None and isinstance(m, real)) or type(m).__name__ == "TransformerBlock"
 
     return [m for m in model.modules() if is_block(m) and isinstance(getattr(m, "layers", None), nn.ModuleList)]
 

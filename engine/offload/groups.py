@@ -85,6 +85,8 @@ class Group:
         self._by_storage: dict[StorageWeakRef, Stash] = {}  # forward only: weak, so nothing is kept alive
         self.n_slots = 0
         self.n_unpacked = 0
+        # autograd skips its in-place check when hooks hold saved tensors, so it is done here (see check_versions)
+        self._versions: list[tuple[weakref.ref, int]] = []
         self.out_done: object = None  # event: all offload copies finished
         self.in_done: object = None  # event: all reload copies finished
 
@@ -105,6 +107,7 @@ class Group:
             self._by_storage[key] = stash
             self.stashes.append(stash)
         self.n_slots += 1
+        self._versions.append((weakref.ref(t), t._version))
         return Slot(self, stash, t)
 
     def end_forward(self) -> None:
@@ -117,6 +120,7 @@ class Group:
         """Issue the copies back; dests are slices of a double buffer, or None to allocate per stash."""
         if self.state != OFFLOADED:
             return
+        self.check_versions()
         s = self.session
         pairs = []
         for i, st in enumerate(self.stashes):
@@ -124,6 +128,18 @@ class Group:
             pairs.append((st.device, st.host.data[: st.nbytes]))
         self.in_done = s.transfers.copy_in(pairs, after=self.out_done)
         self.state = RELOADING
+
+    def check_versions(self) -> None:
+        """Raise as autograd would if a saved tensor still alive was changed in place after it was saved."""
+        for ref, version in self._versions:
+            t = ref()
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {list(t.shape)} saved by an offloaded module is at version "
+                    f"{t._version}; expected version {version} (offloading copies it when it is saved)"
+                )
+        self._versions = []
 
     def unpack(self, slot: Slot) -> torch.Tensor:
         again = slot.last() if slot.last is not None else None
