@@ -21,16 +21,26 @@ from engine.megatron.availability import (
     version,
 )
 from engine.megatron.gpt import MegatronGPT, as_engine_module, build_gpt, is_gpt_model, transformer_config
+from engine.megatron.optimizer import (
+    MegatronOptimizerAdapter,
+    build_hybrid_optimizer,
+    build_megatron_optimizer,
+    megatron_param_groups,
+)
 from engine.megatron.parallel import ensure_model_parallel, teardown
 
 __all__ = [
     "MegatronGPT",
+    "MegatronOptimizerAdapter",
     "MissingExtraError",
     "as_engine_module",
     "available",
     "build_gpt",
+    "build_hybrid_optimizer",
+    "build_megatron_optimizer",
     "ensure_model_parallel",
     "is_gpt_model",
+    "megatron_param_groups",
     "require",
     "require_te",
     "te_available",
