@@ -28,6 +28,7 @@ from engine.megatron.optimizer import (
     megatron_param_groups,
 )
 from engine.megatron.parallel import ensure_model_parallel, teardown
+from engine.megatron.te import build_te_layers
 
 __all__ = [
     "MegatronGPT",
@@ -38,6 +39,7 @@ __all__ = [
     "build_gpt",
     "build_hybrid_optimizer",
     "build_megatron_optimizer",
+    "build_te_layers",
     "ensure_model_parallel",
     "is_gpt_model",
     "megatron_param_groups",
