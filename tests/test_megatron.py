@@ -14,11 +14,31 @@ pytest.importorskip("megatron.core", reason="Requires: megatron-core")
 
 from engine import megatron  # noqa: E402
 
-SHAPE = SimpleNamespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None, seq_length=16,
-                        vocab_size=64, init_method_std=0.02, use_te=False, recompute_granularity=None)
-OPT = SimpleNamespace(optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                      sgd_momentum=0.9, optimizer_cpu_offload=False, optimizer_offload_fraction=0.5,
-                      overlap_cpu_optimizer_d2h_h2d=False, pin_cpu_grads=True, pin_cpu_params=True)
+SHAPE = SimpleNamespace(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=None,
+    seq_length=16,
+    vocab_size=64,
+    init_method_std=0.02,
+    use_te=False,
+    recompute_granularity=None,
+)
+OPT = SimpleNamespace(
+    optimizer="adam",
+    lr=1e-2,
+    weight_decay=0.1,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1e-8,
+    sgd_momentum=0.9,
+    optimizer_cpu_offload=False,
+    optimizer_offload_fraction=0.5,
+    overlap_cpu_optimizer_d2h_h2d=False,
+    pin_cpu_grads=True,
+    pin_cpu_params=True,
+)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="Requires: CUDA")
 
 
@@ -69,7 +89,7 @@ def test_attention_is_causal():
 
 def test_same_seed_builds_give_the_same_weights_and_gradients():
     m1, m2 = build(seed=3), build(seed=3)
-    for (n1, p1), (n2, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+    for (n1, p1), (n2, p2) in zip(m1.named_parameters(), m2.named_parameters(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2), n1
     loss_of(m1, tokens()).backward()
     loss_of(m2, tokens()).backward()
@@ -132,7 +152,7 @@ def test_sdpa_core_attention_matches_megatrons_dot_product_attention(monkeypatch
     for mask in (None, causal):  # causal from the mask type, and from an explicit mask
         out = ours(q, k, v, mask)
         torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
-        for a, r in zip(torch.autograd.grad(out, (q, k, v), g), grads_ref):
+        for a, r in zip(torch.autograd.grad(out, (q, k, v), g), grads_ref, strict=True):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
@@ -176,14 +196,14 @@ def test_activation_offloading_of_decoder_layers_gives_the_same_gradients_and_we
         loss_ref.backward()
         loss_off.backward()
         assert torch.equal(loss_ref, loss_off)
-        for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+        for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters(), strict=True):
             assert torch.equal(a.grad, b.grad), n
         opt_ref.clip_and_step(1.0)
         opt_off.clip_and_step(1.0)
         opt_ref.zero_grad()
         opt_off.zero_grad()
     assert moved > 0  # layer 0 really went through the host
-    for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters()):
+    for (n, a), (_, b) in zip(ref.named_parameters(), off.named_parameters(), strict=True):
         assert torch.equal(a, b), n
     handle.remove()
 
@@ -210,7 +230,7 @@ def test_megatron_optimizer_steps_like_torch_adamw_with_clipping_and_schedule():
         opt.zero_grad()
         ref_opt.zero_grad()
         assert opt.inner.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
-    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=n)
     assert opt.state_dict()["state"]  # the state is the inner optimizer's
 
@@ -223,13 +243,15 @@ def test_megatron_optimizer_skips_a_non_finite_step():
     next(model.parameters()).grad[0].fill_(float("inf"))
     norm, stepped = opt.clip_and_step(1.0)
     assert not stepped and not torch.isfinite(torch.tensor(norm))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_engine_style_named_groups_are_accepted():
     model = build(seed=8)
-    named = [{"params": [(n, p) for n, p in model.named_parameters() if p.dim() >= 2], "weight_decay": 0.1},
-             {"params": [(n, p) for n, p in model.named_parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    named = [
+        {"params": [(n, p) for n, p in model.named_parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in model.named_parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = megatron.build_hybrid_optimizer(model, OPT, param_groups=named)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
@@ -245,8 +267,14 @@ def test_hybrid_device_optimizer_on_cpu_is_refused_with_the_reason():
 @cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_hybrid_device_optimizer_matches_torch_adamw_on_cuda(fraction):
-    cfg = SimpleNamespace(**{**vars(OPT), "optimizer_cpu_offload": True, "optimizer_offload_fraction": fraction,
-                             "overlap_cpu_optimizer_d2h_h2d": True})
+    cfg = SimpleNamespace(
+        **{
+            **vars(OPT),
+            "optimizer_cpu_offload": True,
+            "optimizer_offload_fraction": fraction,
+            "overlap_cpu_optimizer_d2h_h2d": True,
+        }
+    )
     model, ref = build(seed=9).cuda(), build(seed=9).cuda()
     opt = megatron.build_hybrid_optimizer(model, cfg)
     groups = megatron.megatron_param_groups(ref, OPT.weight_decay)
@@ -260,5 +288,5 @@ def test_hybrid_device_optimizer_matches_torch_adamw_on_cuda(fraction):
         assert opt.clip_and_step(1.0)[1]
         opt.zero_grad()
         ref_opt.zero_grad()
-    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)

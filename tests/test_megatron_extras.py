@@ -7,8 +7,16 @@ import pytest
 
 from engine import megatron
 
-SHAPE = SimpleNamespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None, seq_length=16,
-                        vocab_size=64, init_method_std=0.02, use_te=False)
+SHAPE = SimpleNamespace(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=None,
+    seq_length=16,
+    vocab_size=64,
+    init_method_std=0.02,
+    use_te=False,
+)
 
 
 def test_package_imports_without_megatron_core_and_answers_available():
@@ -26,8 +34,11 @@ def test_megatron_model_without_megatron_core_names_the_extra():
 @pytest.mark.skipif(megatron.available(), reason="megatron-core is installed: the missing-extra error cannot show")
 def test_megatron_optimizer_without_megatron_core_names_the_extra():
     cfg = SimpleNamespace(optimizer="adam", optimizer_cpu_offload=True)
-    with pytest.raises(megatron.MissingExtraError, match=r"optimizer.implementation='megatron' needs megatron-core: "
-                       r"pip install -e '\.\[megatron\]'"):
+    with pytest.raises(
+        megatron.MissingExtraError,
+        match=r"optimizer.implementation='megatron' needs megatron-core: "
+        r"pip install -e '\.\[megatron\]'",
+    ):
         megatron.build_megatron_optimizer([], cfg)
 
 
@@ -39,15 +50,16 @@ def test_plain_modules_are_not_megatron_models():
     assert megatron.as_engine_module(m) is m
 
 
-@pytest.mark.skipif(megatron.te_available(), reason="Transformer Engine is installed: the missing-extra error cannot show")
+@pytest.mark.skipif(megatron.te_available(), reason="Transformer Engine is installed: the error cannot show")
 def test_te_layers_without_transformer_engine_name_the_te_extra():
     with pytest.raises(megatron.MissingExtraError) as e:
         megatron.build_te_layers(num_layers=2, hidden_size=32, num_attention_heads=4)
     assert str(e.value) == "model.use_te=true needs Transformer Engine: pip install -e '.[te]'"
 
 
-@pytest.mark.skipif(megatron.te_available() or not megatron.available(),
-                    reason="Requires: megatron-core without Transformer Engine")
+@pytest.mark.skipif(
+    megatron.te_available() or not megatron.available(), reason="Requires: megatron-core without Transformer Engine"
+)
 def test_megatron_te_spec_without_transformer_engine_names_the_te_extra():
     import torch
 

@@ -65,7 +65,8 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
     if not cfg.optimizer_cpu_offload:
         if cfg.optimizer == "sgd":
             return mopt.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
-        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, eps=cfg.adam_eps)
         if mopt.USING_PYTORCH_OPTIMIZER:
             return torch.optim.AdamW(groups, **kwargs)
         return mopt.Adam(groups, adam_w_mode=True, **kwargs)  # TE / Apex FusedAdam in AdamW mode
@@ -151,8 +152,13 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         seen: set[int] = set()
         total = 0
         subs = getattr(self.inner, "cpu_optimizers", [])
-        tensors = [t for o in subs for p in (q for g in o.param_groups for q in g["params"])
-                   for t in [p, p.grad, *o.state.get(p, {}).values()] if isinstance(t, torch.Tensor)]
+        tensors = [
+            t
+            for o in subs
+            for p in (q for g in o.param_groups for q in g["params"])
+            for t in [p, p.grad, *o.state.get(p, {}).values()]
+            if isinstance(t, torch.Tensor)
+        ]
         for t in tensors:
             if t.device.type == "cpu" and id(t) not in seen:
                 seen.add(id(t))
