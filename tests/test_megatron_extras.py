@@ -28,7 +28,8 @@ def test_package_imports_without_megatron_core_and_answers_available():
 def test_megatron_model_without_megatron_core_names_the_extra():
     with pytest.raises(megatron.MissingExtraError) as e:
         megatron.build_gpt(SHAPE, device="cpu")
-    assert str(e.value) == "model.implementation='megatron' needs megatron-core: pip install -e '.[megatron]'"
+    # a broken install (megatron-core 0.19 without triton, say) appends the import error after the hint
+    assert str(e.value).startswith("model.implementation='megatron' needs megatron-core: pip install -e '.[megatron]'")
 
 
 @pytest.mark.skipif(megatron.available(), reason="megatron-core is installed: the missing-extra error cannot show")
@@ -54,7 +55,7 @@ def test_plain_modules_are_not_megatron_models():
 def test_te_layers_without_transformer_engine_name_the_te_extra():
     with pytest.raises(megatron.MissingExtraError) as e:
         megatron.build_te_layers(num_layers=2, hidden_size=32, num_attention_heads=4)
-    assert str(e.value) == "model.use_te=true needs Transformer Engine: pip install -e '.[te]'"
+    assert str(e.value).startswith("model.use_te=true needs Transformer Engine: pip install -e '.[te]'")
 
 
 @pytest.mark.skipif(

@@ -6,6 +6,7 @@ engine imports cleanly without either, and a config that asks for them fails wit
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from functools import cache
 
@@ -18,15 +19,27 @@ class MissingExtraError(ImportError):
 
 
 @cache
+def _import_error(module: str) -> str | None:
+    """None when `module` imports; else why not ("absent" when it is not installed at all)."""
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return "absent"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure means the extra is unusable; say which
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _hint(module: str, hint: str) -> str:
+    why = _import_error(module)
+    # installed but failing (megatron-core 0.19 imports triton unconditionally, say): name the real cause
+    return hint if why == "absent" else f"{hint} ({module} is installed but does not import: {why})"
+
+
 def available() -> bool:
     """True when `megatron.core` imports (megatron-core 0.16.x on Python 3.11, 0.19.x on 3.12 are supported)."""
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        return False
-    try:
-        import megatron.core  # noqa: F401
-    except Exception:  # a broken install counts as absent; require() re-raises with the cause
-        return False
-    return True
+    return _import_error("megatron.core") is None
 
 
 def version() -> str | None:
@@ -41,22 +54,15 @@ def version() -> str | None:
 def require(feature: str) -> None:
     """Raise `MissingExtraError` naming `feature` (a config key=value) when megatron-core is missing."""
     if not available():
-        raise MissingExtraError(f"{feature} needs megatron-core: {MEGATRON_HINT}")
+        raise MissingExtraError(f"{feature} needs megatron-core: {_hint('megatron.core', MEGATRON_HINT)}")
 
 
-@cache
 def te_available() -> bool:
-    """True when `transformer_engine.pytorch` imports (it needs CUDA and a matching build)."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE raises at import without CUDA libraries: treat as absent
-        return False
-    return True
+    """True when `transformer_engine.pytorch` imports (it needs CUDA libraries and a matching build)."""
+    return _import_error("transformer_engine.pytorch") is None
 
 
 def require_te(feature: str) -> None:
     """Raise `MissingExtraError` naming `feature` when Transformer Engine is missing."""
     if not te_available():
-        raise MissingExtraError(f"{feature} needs Transformer Engine: {TE_HINT}")
+        raise MissingExtraError(f"{feature} needs Transformer Engine: {_hint('transformer_engine.pytorch', TE_HINT)}")
