@@ -256,6 +256,28 @@ def test_engine_style_named_groups_are_accepted():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
+def test_optimizer_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    model = build(seed=10)
+    opt = megatron.build_hybrid_optimizer(model, OPT)
+    for g in opt.inner.param_groups:  # HybridDeviceOptimizer keeps its sub-optimizer classes in its groups
+        g["cpu_optimizer_cls"] = torch.optim.AdamW
+    loss_of(model, tokens()).backward()
+    opt.clip_and_step(1.0)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)  # as the engine's checkpoints load
+    assert loaded["param_groups"][0]["cpu_optimizer_cls"] == "torch.optim.adamw.AdamW"
+    fresh = megatron.build_hybrid_optimizer(model, OPT)
+    for g in fresh.inner.param_groups:
+        g["cpu_optimizer_cls"] = torch.optim.AdamW
+    fresh.load_state_dict(loaded)
+    assert fresh.param_groups is fresh.inner.param_groups
+    assert fresh.inner.param_groups[0]["cpu_optimizer_cls"] is torch.optim.AdamW
+    p = next(model.parameters())
+    assert torch.equal(fresh.inner.state[p]["exp_avg_sq"], opt.inner.state[p]["exp_avg_sq"])
+    sched = torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 0.25)
+    assert fresh.inner.param_groups[0]["lr"] == OPT.lr * 0.25 and sched.get_last_lr()[0] == OPT.lr * 0.25
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shows the CPU error; CUDA is present")
 def test_hybrid_device_optimizer_on_cpu_is_refused_with_the_reason():
     cfg = SimpleNamespace(**{**vars(OPT), "optimizer_cpu_offload": True})

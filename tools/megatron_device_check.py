@@ -255,6 +255,42 @@ def training_runs(args: argparse.Namespace, shape: SimpleNamespace, batch) -> li
     return rows
 
 
+@guarded("hdo-checkpoint")
+def hdo_checkpoint(args: argparse.Namespace, shape: SimpleNamespace, batch, uninterrupted: list[float]) -> None:
+    """HDO 0.5: 2 steps, save model + optimizer, load (weights_only) into fresh ones, 3 more steps; the losses
+    must follow the uninterrupted run's."""
+    import io
+
+    from engine import megatron
+
+    def fresh():
+        torch.manual_seed(0)
+        model = megatron.build_gpt(shape, device="cuda", core_attention=args.attention).cuda()
+        return model, make_optimizer("hdo", model, args, 0.5)
+
+    def step(model, opt):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(batch[0]).float().flatten(0, 1), batch[1].flatten())
+        loss.backward()
+        opt.clip_and_step(1.0)
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    model, opt = fresh()
+    losses = [step(model, opt) for _ in range(2)]
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    del model, opt
+    buf.seek(0)
+    state = torch.load(buf, map_location="cpu", weights_only=True)
+    model, opt = fresh()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    losses += [step(model, opt) for _ in range(args.steps - 2)]
+    diff = max(abs(a - b) for a, b in zip(losses, uninterrupted, strict=True))
+    check("hdo-checkpoint", diff <= 1e-4, f"save at step 2, load, continue: max |loss - uninterrupted| = {diff:.2e}")
+
+
 @guarded("engine.initialize")
 def engine_runs(args: argparse.Namespace, batch) -> None:
     """The issue's Done line through the engine: megatron GPT + activation offload + megatron's HDO vs plain."""
@@ -330,6 +366,9 @@ def main() -> int:
     attention_parity(args, shape)
     model_parity(args, shape, batch)
     rows = training_runs(args, shape, batch)
+    hdo = dict(rows).get("megatron HDO fraction 0.5")
+    if hdo is not None and args.steps >= 3:
+        hdo_checkpoint(args, shape, batch, hdo["losses"])
     engine_runs(args, batch)
     run_pytest(args)
     megatron.teardown()

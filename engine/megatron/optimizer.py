@@ -141,11 +141,24 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self.inner.zero_grad(set_to_none)
 
-    def state_dict(self) -> dict:  # noqa: D102
-        return self.inner.state_dict()
+    def state_dict(self) -> dict:
+        """`inner`'s state dict, loadable with `torch.load(weights_only=True)`: the optimizer classes that
+        HybridDeviceOptimizer keeps in its groups are written as their names."""
+        sd = self.inner.state_dict()
+        for g in sd["param_groups"]:  # torch packs fresh group dicts: editing them leaves inner alone
+            for k, v in g.items():
+                if isinstance(v, type):
+                    g[k] = f"{v.__module__}.{v.__qualname__}"
+        return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
-        self.inner.load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into `inner`, putting back the live classes `state_dict` wrote as names."""
+        sd = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+        for saved, live in zip(sd["param_groups"], self.inner.param_groups, strict=True):
+            saved.update({k: v for k, v in live.items() if isinstance(v, type)})
+        self.inner.load_state_dict(sd)
+        # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
+        self.param_groups = self.inner.param_groups
 
     def host_bytes(self) -> int:
         """Bytes of optimizer state, master and gradient copies that `inner` keeps in host memory."""
