@@ -156,7 +156,18 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         sd = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
         for saved, live in zip(sd["param_groups"], self.inner.param_groups, strict=True):
             saved.update({k: v for k, v in live.items() if isinstance(v, type)})
-        self.inner.load_state_dict(sd)
+        inner = self.inner
+        if getattr(inner, "param_update_in_fp32", False) and not inner.param_to_fp32_param:
+            # megatron's HybridDeviceOptimizer (0.16-0.19) refreshes fp32 copies after a load by indexing
+            # param_to_fp32_param with every parameter; fp32 parameters have no copy there (a KeyError). With
+            # every parameter fp32 the flag changes nothing else, so it is off for the load only.
+            inner.param_update_in_fp32 = False
+            try:
+                inner.load_state_dict(sd)
+            finally:
+                inner.param_update_in_fp32 = True
+        else:
+            inner.load_state_dict(sd)
         # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
         self.param_groups = self.inner.param_groups
 
