@@ -27,8 +27,9 @@ def ensure_model_parallel(seed: int = 1234, device: torch.device | str | None = 
       HashStore, so no port is taken; nccl when `device` is CUDA, gloo otherwise. A multi-process launch
       (torchrun) must initialise the group itself first (the engine's dist setup does).
     - parallel_state: `initialize_model_parallel(1, 1)` if not initialised; data parallel is the world.
-    - CUDA only: `model_parallel_cuda_manual_seed(seed)`, which megatron's dropout and GPU weight init
-      fork from. It needs CUDA, so on CPU it is skipped and models must use CPU initialisation.
+    - CUDA only, if nobody has: `model_parallel_cuda_manual_seed(seed)`, the RNG tracker megatron's
+      dropout and GPU weight init fork from. It needs CUDA, so on CPU it is skipped; models built here
+      use CPU initialisation anyway (`use_cpu_initialization`), which needs no tracker.
     """
     require("model.implementation='megatron'")
     from megatron.core import parallel_state
@@ -48,7 +49,8 @@ def ensure_model_parallel(seed: int = 1234, device: torch.device | str | None = 
         parallel_state.get_pipeline_model_parallel_world_size() != 1
     ):
         raise ValueError("the engine runs megatron-core models at TP=PP=1; the caller initialised other sizes")
-    if cuda and torch.cuda.is_available():
+    if cuda and torch.cuda.is_available() and not mp_random.get_cuda_rng_tracker().is_initialized():
+        # a user who seeded megatron's tracker keeps their streams; otherwise ours, from train.seed
         mp_random.model_parallel_cuda_manual_seed(seed)
 
 
