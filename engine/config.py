@@ -533,6 +533,24 @@ def _fine_grained_needs_modules(c: SimpleNamespace, dp: int) -> Iterator[Problem
         )
 
 
+@_rule("optimizer.implementation", "optimizer.cpu_optimizer_threads", "optimizer.use_torch_optimizer_for_cpu_offload",
+       "optimizer.delayed_param_update")
+def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    # megatron-core's builder picks its own CPU optimizer and threads: these would be silently ignored there
+    if c.optimizer.implementation != "megatron":
+        return
+    o = c.optimizer
+    for key, unset in (("cpu_optimizer_threads", o.cpu_optimizer_threads is None),
+                       ("use_torch_optimizer_for_cpu_offload", not o.use_torch_optimizer_for_cpu_offload),
+                       ("delayed_param_update", not o.delayed_param_update)):
+        if not unset:
+            yield Problem(
+                f"optimizer.{key}",
+                "applies only to optimizer.implementation='engine' (megatron-core's HybridDeviceOptimizer "
+                f"does not read it); unset optimizer.{key} or use optimizer.implementation='engine'",
+            )
+
+
 @_rule("optimizer.lr_warmup_iters", "train.train_iters")
 def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     if c.optimizer.lr_warmup_iters > c.train.train_iters:
@@ -585,8 +603,6 @@ class NotBuilt:
 
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("model.implementation", lambda v, dp: v == "megatron", "the megatron-core GPTModel", 7,
-             'set model.implementation="builtin"'),
     NotBuilt("model.use_te", lambda v, dp: v, "the Transformer Engine GPT", 7, "set model.use_te=false"),
     NotBuilt("model.cpu_offloading", lambda v, dp: v, "layer-level activation offloading", 4,
              "set model.cpu_offloading=false"),
@@ -598,8 +614,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              'set model.cuda_graph_impl="none"'),
     NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,
              "set model.pipeline_model_parallel_size=1"),
-    NotBuilt("optimizer.implementation", lambda v, dp: v == "megatron", "megatron-core's HybridDeviceOptimizer", 7,
-             'set optimizer.implementation="engine"'),
     NotBuilt("optimizer.optimizer_cpu_offload", lambda v, dp: v, "optimizer-state offloading (HybridDeviceOptimizer)",
              3, "set optimizer.optimizer_cpu_offload=false"),
     NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,

@@ -222,14 +222,18 @@ def initialize(
     device = _pick_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     if model is None:
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, device, cfg.train.seed)
+    elif "megatron" in type(model).__module__:
+        from engine import megatron
+
+        model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
     if cfg.train.params_dtype == "half":
         model = model.to(DTYPES[cfg.train.precision])
     model = model.to(device)
     offloader = None
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
-        optimizer = build_optimizer(groups, cfg)
+        optimizer = build_optimizer(groups, cfg, model)
     elif cfg.optimizer.optimizer_cpu_offload:
         raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
     o = cfg.optimizer

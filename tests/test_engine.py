@@ -71,7 +71,7 @@ def test_accumulation_matches_one_big_batch():
 def test_matches_plain_torch_adamw_with_clipping_and_schedule():
     eng, _, _ = make(["train.train_iters=5"])
     torch.manual_seed(eng.config.train.seed)
-    ref = engine.build.build_model(eng.config.model)
+    ref = engine.build.build_model(eng.config.model, torch.device("cpu"), 0)
     ref.load_state_dict(eng.module.state_dict())
     decay = [p for p in ref.parameters() if p.dim() >= 2]
     rest = [p for p in ref.parameters() if p.dim() < 2]

@@ -312,3 +312,14 @@ def test_hybrid_device_optimizer_matches_torch_adamw_on_cuda(fraction):
         ref_opt.zero_grad()
     for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_initialize_builds_and_trains_the_megatron_gpt():
+    import engine
+    from tests.test_engine import TINY
+
+    eng, _, _ = engine.initialize(config=TINY, overrides=["model.implementation=megatron", "optimizer.lr=3e-3",
+                                                          "optimizer.lr_decay_style=constant", "train.train_iters=12"])
+    assert type(eng.module).__name__ == "MegatronGPT"
+    losses = [eng.train_batch() for _ in range(12)]
+    assert losses[-1] < 0.85 * losses[0]
