@@ -1,0 +1,55 @@
+"""Builders from config: the model `model.*` describes and the optimizer `optimizer.*` describes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.config import Config, ModelConfig
+from engine.models.gpt import GPT
+
+
+def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
+    """The GPT `model.implementation` names, shaped by `model.*`."""
+    if m.implementation == "megatron":
+        from engine import megatron
+
+        return megatron.build_gpt(m, device=device, seed=seed)
+    return GPT(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        seq_length=m.seq_length,
+        vocab_size=m.vocab_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        init_method_std=m.init_method_std,
+        recompute_granularity=m.recompute_granularity,
+    )
+
+
+def named_parameter_groups(
+    model: nn.Module, model_parameters: Iterable[nn.Parameter] | None, weight_decay: float
+) -> list[dict]:
+    """Two groups of (name, parameter) pairs: matrices decay, biases and norm weights (1-D) do not."""
+    chosen = None if model_parameters is None else {id(p) for p in model_parameters}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or (chosen is not None and id(p) not in chosen):
+            continue
+        (decay if p.dim() >= 2 else no_decay).append((name, p))
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `optimizer.*` describes over named parameter groups (model already on its device)."""
+    o = cfg.optimizer
+    if o.implementation == "megatron":
+        from engine import megatron
+
+        return megatron.build_hybrid_optimizer(model, o, param_groups=groups)
+    if o.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)

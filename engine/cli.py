@@ -1,0 +1,116 @@
+"""`bin/train`: train the configured model from the command line (thin scripts in bin/ call here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engine import checkpoint
+from engine.config import Config, ConfigError, load_config
+from engine.engine import initialize
+from engine.metrics import MetricsLog, format_bytes
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bin/train",
+        description="Train with offload-engine. CONFIG is a JSON file (default: configs/default.json); "
+        "key=value overrides use the schema's dotted names, e.g. optimizer.optimizer_offload_fraction=0.5.",
+    )
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help="a config file, then overrides")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--env", action="store_true", help="print an environment report and exit")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    return p
+
+
+def _split_args(args: list[str]) -> tuple[str, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return str(DEFAULT_CONFIG), args
+
+
+def train(cfg: Config) -> MetricsLog:
+    """Runs `cfg` to `train.train_iters`, logging metrics and saving checkpoints as configured."""
+    eng, _, _ = initialize(config=cfg)
+    if cfg.checkpoint.load:
+        if checkpoint.latest_folder(cfg.checkpoint.load) is None:
+            print(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
+        else:
+            eng.load_checkpoint(cfg.checkpoint.load)
+            print(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
+    eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
+    log = MetricsLog(cfg.logging.metrics_file)
+    tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+    save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
+    bar = tqdm(total=cfg.train.train_iters, initial=eng.iteration, disable=not cfg.logging.progress_bar,
+               unit="it", dynamic_ncols=True)
+    try:
+        while eng.iteration < cfg.train.train_iters:
+            start = time.perf_counter()
+            loss = eng.train_batch()
+            seconds = time.perf_counter() - start
+            record = {
+                "iteration": eng.iteration,
+                "loss": loss,
+                "lr": eng.optimizer.param_groups[0]["lr"],
+                "grad_norm": float(eng.last_grad_norm),
+                "iteration_ms": 1000.0 * seconds,
+                "tokens_per_s": tokens_per_iter / seconds,
+                "peak_memory_bytes": eng.peak_memory_bytes(),
+                "host_offload_bytes": eng.host_bytes(),
+                "skipped": eng.last_step_skipped,
+            }
+            if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
+                log.write(record)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                            mem=format_bytes(record["peak_memory_bytes"]), refresh=False)
+            bar.update(1)
+            if save and every and eng.iteration % every == 0:
+                eng.save_checkpoint(save)
+        if save and not (every and eng.iteration % every == 0):
+            eng.save_checkpoint(save)
+    finally:
+        bar.close()
+        log.close()
+    return log
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.env:
+            from engine.envreport import env_report
+
+            print(env_report())
+            return 0
+        config_path, overrides = _split_args(args.args)
+        cfg = load_config(config_path, overrides)
+        if args.print_config:
+            print(json.dumps(cfg.to_dict(), indent=2))
+            return 0
+        log = train(cfg)
+        print(log.summary())
+        return 0
+    except ConfigError as e:
+        if args.debug:
+            raise
+        for line in e.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line for users; --debug shows the traceback
+        if args.debug:
+            raise
+        ours = isinstance(e, (ValueError, FileNotFoundError))  # raised with a message naming the key
+        print(f"error: {e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0], file=sys.stderr)
+        return 1

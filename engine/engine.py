@@ -1,0 +1,243 @@
+"""The Engine: one training step (micro-batches, gradient accumulation, loss scaling, clipping,
+optimizer step, LR schedule) and its DeepSpeed-shaped loop API, plus checkpoints.
+
+It composes the mechanisms (model builder, optimizer, activation offload, data) and owns none of
+their logic: everything it needs from an optimizer is `clip_and_step`, with a plain torch
+optimizer served by `_clip_and_step_plain`.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import checkpoint
+from engine.build import build_model, build_optimizer, named_parameter_groups
+from engine.config import Config, load_config
+from engine.data import TokenBatches, load_tokens
+from engine.models.gpt import gpt_loss
+from engine.precision import DTYPES, LossScaler, autocast
+from engine.schedule import WarmupDecayLR
+
+
+def _pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but torch sees no CUDA device; set train.device='auto' or 'cpu'")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_move(v, device) for v in batch)
+    return batch
+
+
+def _clip_and_step_plain(
+    optimizer: torch.optim.Optimizer, max_norm: float, grad_scale: float, check_finite: bool
+) -> tuple[torch.Tensor, bool]:
+    """Unscale, clip and step a plain torch optimizer; returns (pre-clip norm, stepped)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grad_scale != 1.0:
+        torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    # the one synchronisation: fp16 must know whether to skip before stepping
+    if check_finite and not torch.isfinite(norm).item():
+        return norm, False
+    optimizer.step()
+    return norm, True
+
+
+class Engine:
+    """Trains `module` with `optimizer` under `config`; see `initialize` for how it is built."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        config: Config,
+        device: torch.device,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        offloader: Any = None,
+        data_parallel_size: int = 1,
+    ) -> None:
+        self.module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
+        self.config, self.device, self.loss_fn, self.offloader = config, device, loss_fn, offloader
+        t = config.train
+        self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * data_parallel_size)
+        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
+        self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
+        self.micro_step = 0  # backward passes into the current global batch
+        self.data_iter: Iterator | None = None
+        self.last_grad_norm: torch.Tensor | float = 0.0
+        self.last_step_skipped = False
+        self._autocast = autocast(device, t.precision, t.params_dtype)
+        if hasattr(optimizer, "attach_model"):
+            optimizer.attach_model(module)
+
+    # -- the loop API ---------------------------------------------------------------------------
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch: `(inputs, labels)`, a dict, or a tensor the model maps to a loss."""
+        batch = _move(batch, self.device)
+        with self._autocast:
+            if isinstance(batch, (tuple, list)) and len(batch) == 2:
+                return self.loss_fn(self.module(batch[0]), batch[1])
+            if isinstance(batch, dict):
+                labels = batch.pop("labels", None)
+                out = self.module(**batch)
+                return out if labels is None else self.loss_fn(out, labels)
+            return self.module(batch)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, averaged over the accumulation steps and loss-scaled."""
+        if hasattr(self.optimizer, "set_grad_final"):
+            self.optimizer.set_grad_final(self.micro_step + 1 == self.micro_batches_per_step)
+        (loss * (self.scaler.scale / self.micro_batches_per_step)).backward()
+        self.micro_step += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_step >= self.micro_batches_per_step
+
+    def step(self) -> bool:
+        """At the accumulation boundary: unscale, clip, step, advance the schedule. Returns True if it stepped."""
+        if not self.is_gradient_accumulation_boundary():
+            return False
+        clip = self.config.optimizer.clip_grad
+        if hasattr(self.optimizer, "clip_and_step"):
+            norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale)
+        else:
+            norm, stepped = _clip_and_step_plain(self.optimizer, clip, self.scaler.scale, self.scaler.enabled)
+        self.scaler.update(stepped)
+        if stepped:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_grad_norm, self.last_step_skipped = norm, not stepped
+        self.micro_step = 0
+        self.iteration += 1
+        return stepped
+
+    def train_batch(self, data_iter: Iterable | None = None) -> float:
+        """All micro-batches of one global batch, then one step; returns the mean loss."""
+        it = self._data(data_iter)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.micro_batches_per_step):
+            loss = self.forward(next(it))
+            self.backward(loss)
+            total += loss.detach().float()
+        self.step()
+        return total.item() / self.micro_batches_per_step
+
+    def _data(self, data_iter: Iterable | None) -> Iterator:
+        if data_iter is not None:
+            return data_iter if isinstance(data_iter, Iterator) else iter(data_iter)
+        if self.data_iter is None:
+            self.data_iter = self.default_data()
+        return self.data_iter
+
+    def default_data(self, rank: int = 0, world_size: int = 1) -> TokenBatches:
+        """The config's data section as an iterator of micro-batches."""
+        d, m = self.config.data, self.config.model
+        tokens = load_tokens(d.source, d.path, d.token_dtype, d.max_bytes, m.vocab_size)
+        return TokenBatches(tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed,
+                            rank, world_size)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def host_bytes(self) -> int:
+        """Bytes held in host memory by offloading (optimizer states and activations)."""
+        total = 0
+        for part in (self.optimizer, self.offloader):
+            if hasattr(part, "host_bytes"):
+                total += part.host_bytes()
+        return total
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory: CUDA's allocator peak, or the process's peak RSS on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, client_state: dict | None = None) -> str:
+        """Atomically saves everything a resumed run needs to continue with the same losses."""
+        state = {
+            "iteration": self.iteration,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss_scaler": self.scaler.state_dict(),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "data": self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None,
+            "client_state": client_state or {},
+        }
+        return str(checkpoint.save(save_dir, self.iteration, state))
+
+    def load_checkpoint(self, load_dir: str) -> dict:
+        """Restores the newest checkpoint under `load_dir`; returns its client_state."""
+        state = checkpoint.load(load_dir)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if torch.cuda.is_available() and state["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if state["data"] is not None:
+            if self.data_iter is None:
+                self.data_iter = self.default_data()
+            self.data_iter.load_state_dict(state["data"])
+        self.iteration = int(state["iteration"])
+        self.micro_step = 0
+        return state["client_state"]
+
+
+def initialize(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    model_parameters: Iterable[torch.nn.Parameter] | None = None,
+    config: str | dict | Config | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    overrides: Iterable[str] = (),
+) -> tuple[Engine, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """DeepSpeed's `initialize`: returns `(engine, optimizer, lr_scheduler)`.
+
+    `model=None` builds the model `model.*` describes. `optimizer=None` builds the one `optimizer.*`
+    describes over `model_parameters` (default: all trainable parameters); a given optimizer is used
+    as-is, with the config's schedule applied to each group's own lr.
+    """
+    cfg = config if isinstance(config, Config) and not overrides else load_config(config or {}, list(overrides))
+    device = _pick_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    if model is None:
+        model = build_model(cfg.model, device, cfg.train.seed)
+    elif "megatron" in type(model).__module__:
+        from engine import megatron
+
+        model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
+    if cfg.train.params_dtype == "half":
+        model = model.to(DTYPES[cfg.train.precision])
+    model = model.to(device)
+    offloader = None
+    if optimizer is None:
+        groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
+        optimizer = build_optimizer(groups, cfg, model)
+    elif cfg.optimizer.optimizer_cpu_offload:
+        raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
+    o = cfg.optimizer
+    scheduler = WarmupDecayLR(optimizer, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
+                              decay_iters=o.lr_decay_iters or cfg.train.train_iters, style=o.lr_decay_style)
+    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader)
+    return eng, optimizer, scheduler

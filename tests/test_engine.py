@@ -1,0 +1,147 @@
+"""The Engine's step against hand-written references: accumulation, loop API, precision, schedule."""
+
+import pytest
+import torch
+
+import engine
+from engine.models.gpt import gpt_loss
+
+TINY = {
+    "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16, "vocab_size": 256},
+    "optimizer": {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.1, "lr_warmup_iters": 2, "lr_decay_style": "linear"},
+    "train": {"train_iters": 6, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "device": "cpu"},
+    "data": {"max_bytes": 65536},
+    "logging": {"metrics_file": None, "progress_bar": False},
+}
+
+
+def make(overrides=(), **kw):
+    return engine.initialize(config=TINY, overrides=list(overrides), **kw)
+
+
+def test_initialize_returns_engine_optimizer_scheduler():
+    eng, opt, sched = make()
+    assert isinstance(eng, engine.Engine)
+    assert opt is eng.optimizer and sched is eng.lr_scheduler
+    assert eng.micro_batches_per_step == 2
+
+
+def test_train_batch_equals_hand_written_loop():
+    a, _, _ = make()
+    b, _, _ = make()
+    for _ in range(3):
+        la = a.train_batch()
+        it = b._data(None)
+        losses = []
+        for _ in range(b.micro_batches_per_step):
+            loss = b(next(it))
+            b.backward(loss)
+            losses.append(loss.item())
+        assert not b.step() or True
+        assert la == pytest.approx(sum(losses) / len(losses), rel=0, abs=1e-6)
+    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_step_only_at_accumulation_boundary():
+    eng, _, _ = make()
+    it = eng._data(None)
+    eng.backward(eng(next(it)))
+    before = [p.detach().clone() for p in eng.module.parameters()]
+    assert eng.step() is False
+    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters()))
+    eng.backward(eng(next(it)))
+    assert eng.step() is True
+    assert eng.iteration == 1
+
+
+def test_accumulation_matches_one_big_batch():
+    """Two micro-batches of 2 must give the gradient of one batch of 4 (the mean over sequences)."""
+    acc, _, _ = make(["train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.clip_grad=0"])
+    big, _, _ = make(["train.global_batch_size=4", "train.micro_batch_size=4", "optimizer.clip_grad=0"])
+    it = acc._data(None)
+    b1, b2 = next(it), next(it)
+    acc.backward(acc(b1))
+    acc.backward(acc(b2))
+    big.backward(big((torch.cat([b1[0], b2[0]]), torch.cat([b1[1], b2[1]]))))
+    for pa, pb in zip(acc.module.parameters(), big.module.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_matches_plain_torch_adamw_with_clipping_and_schedule():
+    eng, _, _ = make(["train.train_iters=5"])
+    torch.manual_seed(eng.config.train.seed)
+    ref = engine.build.build_model(eng.config.model, torch.device("cpu"), 0)
+    ref.load_state_dict(eng.module.state_dict())
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    rest = [p for p in ref.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    lrs = [1e-3 * 1 / 2, 1e-3 * 2 / 2, 1e-3 * (1 - 1 / 3), 1e-3 * (1 - 2 / 3), 0.0]  # warmup 2, linear to 5
+    used = []
+    data = eng._data(None)
+    batches = [[next(data) for _ in range(2)] for _ in range(5)]
+    for step, pair in enumerate(batches):
+        used.append(eng.optimizer.param_groups[0]["lr"])
+        eng.train_batch(iter(pair))
+        for g in opt.param_groups:
+            g["lr"] = used[-1]
+        for x, y in pair:
+            (gpt_loss(ref(x), y) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(decay + rest, 1.0, foreach=True)  # the engine's group order
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in zip(eng.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert used == pytest.approx(lrs, rel=1e-12)
+
+
+def test_loss_decreases_on_default_data():
+    eng, _, _ = make(["train.global_batch_size=8", "train.micro_batch_size=8", "optimizer.lr=3e-3",
+                      "train.train_iters=15", "optimizer.lr_decay_style=constant"])
+    losses = [eng.train_batch() for _ in range(15)]
+    assert losses[-1] < losses[0] * 0.8
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_precisions_train(precision):
+    eng, _, _ = make([f"train.precision={precision}"])
+    losses = [eng.train_batch() for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert eng.module.layers[0].mlp.fc1.weight.dtype == torch.float32
+
+
+def test_fp16_overflow_skips_step_and_halves_scale():
+    eng, _, _ = make(["train.precision=fp16"])
+    it = eng._data(None)
+    before = [p.detach().clone() for p in eng.module.parameters()]
+    scale = eng.scaler.scale
+    for _ in range(2):
+        eng.backward(eng(next(it)) * float("inf"))
+    assert eng.step() is False
+    assert eng.last_step_skipped and eng.scaler.scale == scale / 2
+    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters()))
+
+
+def test_user_model_and_optimizer_with_own_loss():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng, o, _ = engine.initialize(model=model, optimizer=opt, config=TINY,
+                                  loss_fn=torch.nn.functional.mse_loss,
+                                  overrides=["optimizer.lr_warmup_iters=0", "optimizer.lr_decay_style=constant"])
+    assert o is opt
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    first = eng.train_batch(iter([(x, y), (x, y)]))
+    for _ in range(20):
+        last = eng.train_batch(iter([(x, y), (x, y)]))
+    assert last < first
+
+
+def test_schedule_warmup_then_decay():
+    eng, opt, _ = make(["optimizer.lr_warmup_iters=2", "optimizer.lr_decay_style=cosine", "optimizer.min_lr=1e-4",
+                        "train.train_iters=4"])
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        eng.train_batch()
+    assert seen[:3] == pytest.approx([5e-4, 1e-3, 1e-4 + 0.9e-3 * 0.5])
+    assert seen[3:] == pytest.approx([1e-4, 1e-4])
