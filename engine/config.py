@@ -551,6 +551,17 @@ def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem
             )
 
 
+@_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")
+def _layers_path_needs_offloading(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    m = c.model
+    if m.cpu_offloading_layers_path is not None and not (m.cpu_offloading or m.fine_grained_activation_offloading):
+        yield Problem(
+            "model.cpu_offloading_layers_path",
+            "is read only by activation offloading; set model.cpu_offloading=true or "
+            "model.fine_grained_activation_offloading=true, or unset it",
+        )
+
+
 @_rule("optimizer.lr_warmup_iters", "train.train_iters")
 def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     if c.optimizer.lr_warmup_iters > c.train.train_iters:
@@ -604,12 +615,6 @@ class NotBuilt:
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
     NotBuilt("model.use_te", lambda v, dp: v, "the Transformer Engine GPT", 7, "set model.use_te=false"),
-    NotBuilt("model.cpu_offloading", lambda v, dp: v, "layer-level activation offloading", 4,
-             "set model.cpu_offloading=false"),
-    NotBuilt("model.fine_grained_activation_offloading", lambda v, dp: v, "module-level activation offloading", 4,
-             "set model.fine_grained_activation_offloading=false"),
-    NotBuilt("model.cpu_offloading_layers_path", lambda v, dp: v is not None, "choosing the offloaded layers by path",
-             4, "set model.cpu_offloading_layers_path=null to find the layers automatically"),
     NotBuilt("model.cuda_graph_impl", lambda v, dp: v != "none", "CUDA graphs are not supported", None,
              'set model.cuda_graph_impl="none"'),
     NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,

@@ -204,6 +204,19 @@ class Engine:
         return state["client_state"]
 
 
+def _apply_activation_offloading(model: nn.Module, m: Any) -> Any:
+    """The offload handle `model.cpu_offloading*` / `fine_grained_activation_offloading` ask for, or None."""
+    from engine import offload
+
+    if m.cpu_offloading:
+        return offload.apply_activation_offloading(
+            model, m.cpu_offloading_num_layers, m.cpu_offloading_activations, m.cpu_offloading_weights,
+            m.cpu_offloading_double_buffering, m.cpu_offloading_layers_path)
+    if m.fine_grained_activation_offloading:
+        return offload.apply_fine_grained_offloading(model, m.offload_modules, m.cpu_offloading_layers_path)
+    return None
+
+
 def initialize(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -230,7 +243,7 @@ def initialize(
     if cfg.train.params_dtype == "half":
         model = model.to(DTYPES[cfg.train.precision])
     model = model.to(device)
-    offloader = None
+    offloader = _apply_activation_offloading(model, cfg.model)
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
         optimizer = build_optimizer(groups, cfg, model)

@@ -384,6 +384,10 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["optimizer.implementation=megatron", "optimizer.use_torch_optimizer_for_cpu_offload=true"], 1,
          r"optimizer\.use_torch_optimizer_for_cpu_offload=true: applies only to"),
     ],
+    "_layers_path_needs_offloading": [
+        (["model.cpu_offloading_layers_path=layers"], 1,
+         r"model\.cpu_offloading_layers_path=\"layers\": is read only by activation offloading"),
+    ],
     "_warmup_within_training": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
@@ -455,10 +459,6 @@ def test_several_rules_fire_together():
 # path -> (overrides that need the mechanism, data-parallel size); every NOT_BUILT row needs an example.
 NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
     "model.use_te": (["model.use_te=true"], 1),
-    "model.cpu_offloading": (["model.cpu_offloading=true"], 1),
-    "model.fine_grained_activation_offloading": (
-        ["model.fine_grained_activation_offloading=true", 'model.offload_modules=["mlp"]'], 1),
-    "model.cpu_offloading_layers_path": (["model.cpu_offloading_layers_path=layers"], 1),
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
     "optimizer.optimizer_cpu_offload": (
