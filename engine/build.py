@@ -39,8 +39,11 @@ def named_parameter_groups(
         if not p.requires_grad or (chosen is not None and id(p) not in chosen):
             continue
         (decay if p.dim() >= 2 else no_decay).append((name, p))
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.optim.Optimizer:

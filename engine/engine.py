@@ -9,7 +9,6 @@ optimizer served by `_clip_and_step_plain`.
 from __future__ import annotations
 
 import resource
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
