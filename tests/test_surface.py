@@ -25,8 +25,12 @@ def test_schema_namespaces():
 def test_readme_config_reference_is_generated_from_the_schema():
     readme = (ROOT / "README.md").read_text()
     assert render_markdown().strip() in readme
-    proc = subprocess.run([sys.executable, "-m", "engine.config_doc", "--check", str(ROOT / "README.md")],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.config_doc", "--check", str(ROOT / "README.md")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
