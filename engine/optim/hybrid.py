@@ -16,6 +16,14 @@ Timeline of one step with overlap on:
                 handed to the driver thread, and the GPU step runs, with no host wait after it
   next forward  each layer unit's pre-hook makes the compute stream wait for that unit's H2D
                 event, so the GPU waits only when it reaches a layer the CPU has not finished
+
+GPU memory beyond the model and the GPU-stepped part's masters and states: a CPU-stepped gradient
+lives on the GPU only until its D2H copy has read it (its memory is returned then, stream-ordered).
+With gradient accumulation over micro-batches and accumulate_grads_in_fp32, the fp32 partial sums
+of half-precision gradients stay on the GPU until the last micro-batch, for CPU-stepped parameters
+too (4 bytes per parameter, Megatron's main_grad); with one micro-batch there are none.
+Model weights of CPU-stepped layers are current only after synchronize() (or their forward):
+read model.state_dict() after optimizer.state_dict() or synchronize().
 """
 
 from __future__ import annotations
