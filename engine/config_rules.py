@@ -244,13 +244,9 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              'set model.cuda_graph_impl="none"'),
     NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,
              "set model.pipeline_model_parallel_size=1"),
-    NotBuilt("optimizer.optimizer_cpu_offload", lambda v, dp: v, "optimizer-state offloading (HybridDeviceOptimizer)",
-             3, "set optimizer.optimizer_cpu_offload=false"),
     NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,
              "set optimizer.delayed_param_update=false"),
     NotBuilt("optimizer.use_distributed_optimizer", lambda v, dp: v and dp > 1,
              "sharding the optimizer across data-parallel ranks", 5,
              "set optimizer.use_distributed_optimizer=false or run on one rank"),
-    NotBuilt("train.params_dtype", lambda v, dp: v == "half", "half-precision weights with fp32 master weights", 3,
-             'set train.params_dtype="fp32"'),
 )  # fmt: skip

@@ -153,6 +153,12 @@ class Engine:
         return TokenBatches(tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed,
                             rank, world_size)
 
+    def synchronize(self) -> None:
+        """Waits until every pending update is in the model's weights (CPU-stepped layers are written back
+        asynchronously; the next forward waits per layer on its own, so only readers of the weights need this)."""
+        if hasattr(self.optimizer, "synchronize"):
+            self.optimizer.synchronize()
+
     # -- accounting -----------------------------------------------------------------------------
     def host_bytes(self) -> int:
         """Bytes held in host memory by offloading (optimizer states and activations)."""
@@ -171,10 +177,11 @@ class Engine:
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, client_state: dict | None = None) -> str:
         """Atomically saves everything a resumed run needs to continue with the same losses."""
+        self.synchronize()
         state = {
             "iteration": self.iteration,
-            "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "model": self.module.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_scaler": self.scaler.state_dict(),
             "rng": {"cpu": torch.get_rng_state(),

@@ -461,12 +461,9 @@ NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
     "model.use_te": (["model.use_te=true"], 1),
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
-    "optimizer.optimizer_cpu_offload": (
-        ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1),
     "optimizer.delayed_param_update": (["optimizer.delayed_param_update=true"], 1),
     "optimizer.use_distributed_optimizer": (
         ["optimizer.use_distributed_optimizer=true", "train.micro_batch_size=4"], 2),
-    "train.params_dtype": (["train.params_dtype=half"], 1),
 }  # fmt: skip
 
 

@@ -69,13 +69,17 @@ def test_accumulation_matches_one_big_batch():
 
 
 def test_matches_plain_torch_adamw_with_clipping_and_schedule():
-    eng, _, _ = make(["train.train_iters=5"])
+    # eps 1e-5: the attention key bias gets only rounding noise as gradient, which Adam at eps 1e-8 turns
+    # into full-size steps whose sign any reordering of a sum flips
+    eng, _, _ = make(["train.train_iters=5", "optimizer.adam_eps=1e-5"])
     torch.manual_seed(eng.config.train.seed)
     ref = engine.build.build_model(eng.config.model, torch.device("cpu"), 0)
     ref.load_state_dict(eng.module.state_dict())
     decay = [p for p in ref.parameters() if p.dim() >= 2]
     rest = [p for p in ref.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3, eps=1e-5
+    )
     lrs = [1e-3 * 1 / 2, 1e-3 * 2 / 2, 1e-3 * (1 - 1 / 3), 1e-3 * (1 - 2 / 3), 0.0]  # warmup 2, linear to 5
     used = []
     data = eng._data(None)
@@ -91,7 +95,7 @@ def test_matches_plain_torch_adamw_with_clipping_and_schedule():
         opt.step()
         opt.zero_grad()
     for (name, p), q in zip(eng.module.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert used == pytest.approx(lrs, rel=1e-12)
 
 
