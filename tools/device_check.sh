@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call for the integrated tree: every GPU-marked test, megatron-core's checks, and bin/train
+# parity runs (offloaded against non-offloaded, loss per iteration). Usage on the device, from the repo root:
+#   bash tools/device_check.sh .whl
+set -o pipefail
+export PYTHONUNBUFFERED=1
+WHL=${1:?wheel dir}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 bin/train --env | tee "$OUT/env.txt"
+
+echo "== GPU tests"
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+
+parity() {  # name, then overrides shared by both runs; the second run adds $OFF
+  local name=$1; shift
+  python3 bin/train "$@" logging.progress_bar=false "logging.metrics_file=$OUT/$name-base.jsonl" > "$OUT/$name-base.log" 2>&1 || { tail -3 "$OUT/$name-base.log"; return; }
+  python3 bin/train "$@" $OFF logging.progress_bar=false "logging.metrics_file=$OUT/$name-off.jsonl" > "$OUT/$name-off.log" 2>&1 || { tail -3 "$OUT/$name-off.log"; return; }
+  python3 - "$OUT/$name-base.jsonl" "$OUT/$name-off.jsonl" "$name" <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+d = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+print(f"{sys.argv[3]}: {len(a)} iterations, loss {a[0]['loss']:.4f} -> {a[-1]['loss']:.4f}, max |loss delta| {d:.2e} "
+      f"({'PASS' if d < 1e-3 else 'FAIL'} < 1e-3); ms/iter {sorted(x['iteration_ms'] for x in a)[len(a)//2]:.1f} -> "
+      f"{sorted(x['iteration_ms'] for x in b)[len(b)//2]:.1f}; peak GiB {max(x['peak_memory_bytes'] for x in a)/2**30:.2f} -> "
+      f"{max(x['peak_memory_bytes'] for x in b)/2**30:.2f}; host GiB {max(x['host_offload_bytes'] for x in b)/2**30:.2f}")
+PY
+}
+echo "== bin/train parity on CUDA"
+SHAPE=${SHAPE:-"model.num_layers=8 model.hidden_size=512 model.num_attention_heads=8 model.seq_length=512 train.micro_batch_size=8 train.global_batch_size=16 train.train_iters=60"}
+OFF="model.cpu_offloading=true model.cpu_offloading_num_layers=6 optimizer.optimizer_cpu_offload=true optimizer.use_distributed_optimizer=true optimizer.optimizer_offload_fraction=0.5 optimizer.overlap_cpu_optimizer_d2h_h2d=true"
+parity builtin-fp32 $SHAPE train.precision=fp32
+parity builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half
+parity megatron-fp32 $SHAPE model.implementation=megatron train.precision=fp32
+
+echo "== megatron-core device check"
+timeout 240 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30
