@@ -95,7 +95,7 @@ def test_matches_plain_torch_adamw_with_clipping_and_schedule():
         opt.step()
         opt.zero_grad()
     for (name, p), q in zip(eng.module.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert used == pytest.approx(lrs, rel=1e-12)
 
 

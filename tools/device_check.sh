@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bin/train --env | tee "$OUT/env.txt"
 
 echo "== GPU tests"
-timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 
 parity() {  # name, then overrides shared by both runs; the second run adds $OFF
   local name=$1; shift
@@ -34,6 +34,8 @@ OFF="model.cpu_offloading=true model.cpu_offloading_num_layers=6 optimizer.optim
 parity builtin-fp32 $SHAPE train.precision=fp32
 parity builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half
 parity megatron-fp32 $SHAPE model.implementation=megatron train.precision=fp32
+echo "== bench optimizer --compare megatron (small shape)"
+timeout 150 python3 bin/bench optimizer --compare megatron --layers 4 --hidden 1024 --heads 8 --seq 1024 --iters 5 --warmup 2 2>&1 | tail -12
 
 echo "== megatron-core device check"
-timeout 240 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30
+timeout 120 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30

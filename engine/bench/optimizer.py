@@ -11,11 +11,9 @@ and the loss difference from ours at f=0 at the last iteration.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,23 +23,12 @@ from engine.optim import HybridDeviceOptimizer
 COMMAND = "bin/bench optimizer"
 
 
-def _megatron_hdo():
-    """megatron-core's HybridDeviceOptimizer class, or None with the reason printed."""
-    try:
-        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as Mcore
+def _megatron_available() -> bool:
+    from engine import megatron
 
-        return Mcore
-    except Exception as e:  # noqa: BLE001 - the package import pulls in much; fall back to the one file
-        spec = importlib.util.find_spec("megatron")
-        if spec is None or not spec.submodule_search_locations:
-            print(f"megatron-core not importable ({e}); its rows are skipped")
-            return None
-        path = Path(list(spec.submodule_search_locations)[0]) / "core/optimizer/cpu_offloading/hybrid_optimizer.py"
-        mod_spec = importlib.util.spec_from_file_location("mcore_hybrid_optimizer", path)
-        mod = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(mod)
-        print(f"megatron.core package import failed ({e}); loaded {path} directly")
-        return mod.HybridDeviceOptimizer
+    if not megatron.available():
+        print("megatron-core is not importable: its rows are skipped (pip install -e '.[megatron]')")
+    return megatron.available()
 
 
 def _groups(model: torch.nn.Module, wd: float, named: bool) -> list[dict]:
@@ -59,24 +46,16 @@ def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
                                     cpu_threads=a.cpu_threads)  # fmt: skip
         opt.attach_model(model)
         return opt, lambda: opt.clip_and_step(a.clip_grad)[0]
-    mcore = _megatron_hdo()
-    # as megatron.core.optimizer.get_megatron_optimizer builds it when optimizer_cpu_offload is set
-    opt = mcore(
-        _groups(model, a.weight_decay, False),
-        offload_fraction=fraction,
-        cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
-        overlap_cpu_optimizer_d2h_h2d=True,
-        pin_cpu_grads=True,
-        pin_cpu_params=True,
-        param_update_in_fp32=True,
-        lr=a.lr,
-        weight_decay=a.weight_decay,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        bias_correction=True,
-        fused=True,
-    )
+    from engine import megatron
+    from engine.config import load_config
+
+    # built by the same code as optimizer.implementation="megatron": as megatron.core.optimizer builds it
+    # for optimizer_cpu_offload (torch AdamW on both sides without TE/Apex, fp32 master, fused)
+    cfg = load_config({"optimizer": {
+        "implementation": "megatron", "lr": a.lr, "weight_decay": a.weight_decay, "adam_beta1": 0.9,
+        "adam_beta2": 0.95, "adam_eps": 1e-8, "optimizer_cpu_offload": True, "use_distributed_optimizer": True,
+        "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": True}}).optimizer  # fmt: skip
+    opt = megatron.build_megatron_optimizer(_groups(model, a.weight_decay, False), cfg)
 
     def step():
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)  # Megatron clips, then steps
@@ -135,7 +114,13 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     ap.add_argument("--fractions", default="0,0.25,0.5,1")
-    ap.add_argument("--megatron-fractions", default="0.25,0.5,1", help="empty to skip Megatron")
+    ap.add_argument(
+        "--compare",
+        choices=["megatron", "none"],
+        default="megatron",
+        help="megatron: megatron-core's HybridDeviceOptimizer on the same model in the same run",
+    )
+    ap.add_argument("--megatron-fractions", default=None, help="Megatron's fractions (default: --fractions)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -165,9 +150,8 @@ def main(argv: list[str]) -> int:
           f"vocab {a.vocab}: {n_params / 1e9:.3f} B params, bf16 weights + fp32 masters; {a.iters} iterations, "
           f"median of the last {a.iters - a.warmup}; clip_grad {a.clip_grad}")  # fmt: skip
     runs = [("ours", float(f)) for f in a.fractions.split(",") if f]
-    runs += [("megatron", float(f)) for f in a.megatron_fractions.split(",") if f]
-    if any(k == "megatron" for k, _ in runs) and _megatron_hdo() is None:
-        runs = [r for r in runs if r[0] == "ours"]
+    if a.compare == "megatron" and _megatron_available():
+        runs += [("megatron", float(f)) for f in (a.megatron_fractions or a.fractions).split(",") if f]
     results = []
     for kind, f in runs:
         r = _run(kind, f, model, init_state, data, a)

@@ -28,6 +28,17 @@ class Hyper:
                      float(group["momentum"]))  # fmt: skip
 
 
+def apply_hypers(opt: torch.optim.Optimizer, hypers: list[Hyper], kind: str) -> None:
+    """Hands each group's current hyperparameters to a torch optimizer whose groups carry their index as "gi"."""
+    for group in opt.param_groups:
+        h = hypers[group["gi"]]
+        group.update(lr=h.lr, weight_decay=h.weight_decay)
+        if kind == "adam":
+            group.update(betas=(h.beta1, h.beta2), eps=h.eps)
+        else:
+            group.update(momentum=h.momentum)
+
+
 def adamw_scalars(h: Hyper, step: int, inv_scale: float, coef: float) -> tuple[float, ...]:
     """(inv_scale, coef, decay, w1, beta2, 1-beta2, sqrt(bias_correction2), eps, -step_size) for step >= 1."""
     bc1 = 1 - h.beta1**step

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.optim import fused_kernel
-from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
+from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
 from engine.optim.host_buffers import FlatViews
 
 _MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
@@ -307,13 +307,7 @@ class CpuPart:
             if coef != 1.0:
                 g.mul_(coef)
             self.master[n].grad = g
-        for group in opt.param_groups:
-            h = hypers[group["gi"]]
-            group.update(lr=h.lr, weight_decay=h.weight_decay)
-            if self.kind == "adam":
-                group.update(betas=(h.beta1, h.beta2), eps=h.eps)
-            else:
-                group.update(momentum=h.momentum)
+        apply_hypers(opt, hypers, self.kind)
         opt.step()
         for n in names:
             self.master[n].grad = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.optim.adam_math import Hyper
+from engine.optim.adam_math import Hyper, apply_hypers
 
 
 class GpuPart:
@@ -43,13 +43,7 @@ class GpuPart:
             torch._foreach_mul_(gs, inv_scale)
         if coef != 1.0:
             torch._foreach_mul_(gs, coef)  # the same fp32 factor torch's clip_grad_norm_ multiplies by
-        for group in self.opt.param_groups:
-            h = hypers[group["gi"]]
-            group.update(lr=h.lr, weight_decay=h.weight_decay)
-            if self.kind == "adam":
-                group.update(betas=(h.beta1, h.beta2), eps=h.eps)
-            else:
-                group.update(momentum=h.momentum)
+        apply_hypers(self.opt, hypers, self.kind)
         self.opt.step()
         halves = [(self.params[n], self.master[n]) for n in grads if self.master[n] is not self.params[n]]
         if halves:
