@@ -604,9 +604,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              3, "set optimizer.optimizer_cpu_offload=false"),
     NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,
              "set optimizer.delayed_param_update=false"),
-    NotBuilt("optimizer.use_distributed_optimizer", lambda v, dp: v and dp > 1,
-             "sharding the optimizer across data-parallel ranks", 5,
-             "set optimizer.use_distributed_optimizer=false or run on one rank"),
     NotBuilt("train.params_dtype", lambda v, dp: v == "half", "half-precision weights with fp32 master weights", 3,
              'set train.params_dtype="fp32"'),
 )  # fmt: skip

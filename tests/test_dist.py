@@ -1,0 +1,175 @@
+"""Data parallelism on CPU with gloo and two processes, against one-process runs of the same global batch.
+
+One 2-rank job (this module run as `python -m tests.test_dist worker OUT`, one process per rank, with the
+environment torchrun would set) trains the scenarios below and leaves its losses, weights and checkpoint in
+OUT; the tests compare them with runs of one process in pytest itself. Ranks run with one thread each,
+so the job fits the CI machine's two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from engine import checkpoint
+from engine.optim.distributed import partition
+from tests.test_engine import TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+ITERS = 4  # optimizer steps per run; checkpoints are taken after HALF of them
+HALF = 2
+# global batch 8 of micro-batches of 2: 4 accumulation steps on one rank, 2 on each of two (so no_sync is used)
+DP = ["train.global_batch_size=8", "train.micro_batch_size=2", f"train.train_iters={ITERS}"]
+SHARDED = DP + ["optimizer.use_distributed_optimizer=true"]
+
+
+def train(overrides, iters, load=None, save=None):
+    eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
+    if load:
+        eng.load_checkpoint(str(load))
+    losses = [eng.train_batch() for _ in range(iters)]
+    if save:
+        eng.save_checkpoint(str(save))
+    return eng, losses
+
+
+# --- the 2-rank side ---------------------------------------------------------------------------------------
+def worker(out: Path) -> None:
+    """Runs on every rank of the job; rank 0 writes results.json, every rank its final weights."""
+    from engine import dist
+
+    results = {}
+    _, results["ddp"] = train(DP, ITERS)
+    eng, first = train(SHARDED, HALF, save=out / "ckpt_2ranks")
+    results["sharded"] = first + [eng.train_batch() for _ in range(ITERS - HALF)]
+    opt = eng.optimizer
+    results["owned_numel"] = sum(p.numel() for p in opt.owned)
+    results["inner_state_numel"] = sum(s["exp_avg"].numel() for s in opt.inner.state.values())
+    results["grad_norm"] = float(eng.last_grad_norm)
+    torch.save(eng.module.state_dict(), out / f"weights_rank{dist.rank()}.pt")
+    _, results["resumed_from_1rank"] = train(SHARDED, ITERS - HALF, load=out / "ckpt_1rank")
+    shards = [None] * dist.world_size()
+    torch.distributed.all_gather_object(shards, results["owned_numel"])
+    results["owned_by_rank"] = shards
+    if dist.is_main():
+        (out / "results.json").write_text(json.dumps(results))
+    dist.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, args: list[str], timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Starts `python -m tests.test_dist ARGS` as ranks 0..n-1 with torchrun's environment; waits for all."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dist", *args], cwd=ROOT, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]  # fmt: skip
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The 2-rank job, after the 1-rank run that leaves the checkpoint it resumes from."""
+    out = tmp_path_factory.mktemp("dist")
+    train(DP, HALF, save=out / "ckpt_1rank")
+    ranks = launch(2, ["worker", str(out)])
+    for r, p in enumerate(ranks):
+        assert p.returncode == 0, f"rank {r}:\n{p.stderr[-3000:]}"
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the whole global batch: losses and final weights."""
+    eng, losses = train(DP, ITERS)
+    return losses, eng.module.state_dict(), float(eng.last_grad_norm)
+
+
+# --- the tests ---------------------------------------------------------------------------------------------
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(job, reference):
+    _, results = job
+    assert results["ddp"] == pytest.approx(reference[0], rel=0, abs=1e-6)
+
+
+def test_distributed_optimizer_equals_the_unsharded_run(job, reference):
+    out, results = job
+    losses, weights, grad_norm = reference
+    assert results["sharded"] == pytest.approx(losses, rel=0, abs=1e-6)
+    assert results["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)  # the global norm, not a shard's
+    w0 = torch.load(out / "weights_rank0.pt")
+    w1 = torch.load(out / "weights_rank1.pt")
+    for name, ref in weights.items():
+        torch.testing.assert_close(w0[name], w1[name], rtol=0, atol=0, msg=name)  # the ranks agree exactly
+        torch.testing.assert_close(w0[name], ref, rtol=0, atol=1e-6, msg=name)
+
+
+def test_distributed_optimizer_shards_states_by_whole_tensors(job, reference):
+    _, results = job
+    total = sum(p.numel() for p in reference[1].values())
+    owned = results["owned_by_rank"]
+    assert sum(owned) == total and 0 < min(owned) <= max(owned) < total
+    assert results["inner_state_numel"] == owned[0]  # rank 0's optimizer holds states for its shard only
+
+
+def test_partition_balances_whole_tensors_deterministically():
+    numels = [100, 10, 60, 40, 30, 30, 1]
+    owner = partition(numels, 2)
+    loads = [sum(n for n, o in zip(numels, owner, strict=True) if o == r) for r in range(2)]
+    # largest first onto the lighter rank: 100->0, 60->1, 40->1, 30->0 (tie), 30->1, 10->0 (tie), 1->1
+    assert owner == [0, 0, 1, 1, 0, 1, 1] and loads == [140, 131]
+    assert max(loads) - min(loads) <= max(numels)  # the greedy bound
+    assert partition(numels, 1) == [0] * len(numels)
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(job, reference):
+    out, _ = job
+    _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_2ranks")
+    assert resumed == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(job, reference):
+    _, results = job
+    assert results["resumed_from_1rank"] == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
+
+
+def test_sharded_checkpoint_has_the_unsharded_format_and_values(job):
+    """The gathered optimizer state is what torch's AdamW over every parameter saves, element-wise."""
+    out, _ = job
+    sharded, plain = checkpoint.load(out / "ckpt_2ranks"), checkpoint.load(out / "ckpt_1rank")
+    assert sharded["data"] == {"index": HALF * 2, "data_parallel_size": 2}
+    assert plain["data"] == {"index": HALF * 4, "data_parallel_size": 1}
+    a, b = sharded["optimizer"], plain["optimizer"]
+    assert [g["param_names"] for g in a["param_groups"]] == [g["param_names"] for g in b["param_groups"]]
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert a["state"].keys() == b["state"].keys()
+    for k in b["state"]:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(a["state"][k][field], b["state"][k][field], rtol=1e-5, atol=1e-7)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(Path(sys.argv[2]))
