@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine import checkpoint
+from engine import checkpoint, dist
 from engine.config import Config, ConfigError, load_config
 from engine.engine import initialize
 from engine.metrics import MetricsLog, format_bytes
@@ -42,16 +42,21 @@ def train(cfg: Config) -> MetricsLog:
     eng, _, _ = initialize(config=cfg)
     if cfg.checkpoint.load:
         if checkpoint.latest_folder(cfg.checkpoint.load) is None:
-            print(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
+            dist.log(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
         else:
             eng.load_checkpoint(cfg.checkpoint.load)
-            print(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
+            dist.log(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
     eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
-    log = MetricsLog(cfg.logging.metrics_file)
+    log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
     tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
     save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
-    bar = tqdm(total=cfg.train.train_iters, initial=eng.iteration, disable=not cfg.logging.progress_bar,
-               unit="it", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.train.train_iters,
+        initial=eng.iteration,
+        disable=not (cfg.logging.progress_bar and dist.is_main()),
+        unit="it",
+        dynamic_ncols=True,
+    )
     try:
         while eng.iteration < cfg.train.train_iters:
             start = time.perf_counter()
@@ -70,8 +75,12 @@ def train(cfg: Config) -> MetricsLog:
             }
             if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
                 log.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                            mem=format_bytes(record["peak_memory_bytes"]), refresh=False)
+            bar.set_postfix(
+                loss=f"{loss:.4f}",
+                tok_s=f"{record['tokens_per_s']:,.0f}",
+                mem=format_bytes(record["peak_memory_bytes"]),
+                refresh=False,
+            )
             bar.update(1)
             if save and every and eng.iteration % every == 0:
                 eng.save_checkpoint(save)
@@ -97,7 +106,8 @@ def train_main(argv: list[str] | None = None) -> int:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
         log = train(cfg)
-        print(log.summary())
+        dist.log(log.summary())
+        dist.shutdown()
         return 0
     except ConfigError as e:
         if args.debug:
@@ -112,5 +122,6 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         ours = isinstance(e, (ValueError, FileNotFoundError))  # raised with a message naming the key
-        print(f"error: {e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0], file=sys.stderr)
+        message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
+        print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

@@ -13,6 +13,7 @@ prints the failing rank's message and exits non-zero, so the job ends within a s
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -32,7 +33,8 @@ T = TypeVar("T")
 
 _POLL_S = 0.2  # watchdog period: how long a surviving rank may keep waiting after another failed
 _LINGER_S = 5.0  # how long a failing rank waits for the others to read its message (it may host the store)
-_state: dict[str, Any] = {"store": None, "failed": False, "owned_group": False}
+_state: dict[str, Any] = {"store": None, "failed": False, "owned_group": False, "watchdog": None}
+_stop = threading.Event()
 
 
 # --- who am I ----------------------------------------------------------------------------------------------
@@ -113,7 +115,9 @@ def setup_for(cfg: Config) -> int:
 
 
 def shutdown() -> None:
-    """Leaves the process group this module created (after a barrier, so no rank tears down under another)."""
+    """Stops the watchdog and leaves the process group this module created (after a barrier, so no rank tears
+    down under another)."""
+    _stop_watchdog()
     if _state["owned_group"] and tdist.is_initialized():
         tdist.barrier()
         tdist.destroy_process_group()
@@ -145,15 +149,16 @@ def _first_failure(store: Any, n: int) -> tuple[int, str] | None:
 
 
 def _watch(store: Any, n: int) -> None:
-    while not _state["failed"]:
+    while not _state["failed"] and not _stop.is_set():
         try:
             if store.add(_key("errors"), 0) > 0 and (hit := _first_failure(store, n)) and not _state["failed"]:
                 print(f"error: rank {hit[0]} failed: {hit[1]}", file=sys.stderr, flush=True)
                 store.add(_key("acks"), 1)
+                _wait_for(lambda: store.check([_key("released")]), _LINGER_S)  # leave no one a dead store
                 os._exit(1)  # the main thread may be blocked in a collective that will never finish
         except Exception:  # the store went away with its host: the launcher is ending the job anyway
             return
-        time.sleep(_POLL_S)
+        _stop.wait(_POLL_S)
 
 
 def _start_watchdog() -> None:
@@ -161,12 +166,14 @@ def _start_watchdog() -> None:
         store = _connect_store()
     except Exception:  # no reachable store (a user's own rendezvous): failures then rely on the launcher
         store = None
-    if store is None or _state.get("watchdog"):
+    if store is None or _state["watchdog"] is not None:
         return
     t = threading.Thread(target=_watch, args=(store, tdist.get_world_size()),
                          name="engine.dist watchdog", daemon=True)  # fmt: skip
+    _stop.clear()
     t.start()
     _state["watchdog"] = t
+    atexit.register(_stop_watchdog)  # a store client torn down under a running thread aborts the interpreter
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
@@ -174,6 +181,21 @@ def _start_watchdog() -> None:
         report_failure(f"{kind.__name__}: {exc}".splitlines()[0])
 
     sys.excepthook = hook  # a user's script that dies uncaught still tells the other ranks
+
+
+def _wait_for(done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stop_watchdog() -> None:
+    t = _state["watchdog"]
+    if t is not None:
+        _stop.set()
+        t.join()
+        _state["watchdog"] = None
+    _state["store"] = None
 
 
 def report_failure(message: str) -> str:
@@ -187,10 +209,10 @@ def report_failure(message: str) -> str:
         earlier = _first_failure(store, n)
         store.set(_key(f"error/{me}"), message)
         store.add(_key("errors"), 1)
-        deadline = time.monotonic() + _LINGER_S
         # every rank that did not fail itself acknowledges once, from its watchdog
-        while store.add(_key("acks"), 0) < n - store.add(_key("errors"), 0) and time.monotonic() < deadline:
-            time.sleep(_POLL_S / 2)
+        _wait_for(lambda: store.add(_key("acks"), 0) >= n - store.add(_key("errors"), 0), _LINGER_S)
+        store.set(_key("released"), "1")
+        time.sleep(_POLL_S)  # the survivors see it and exit before this rank (maybe the store's host) does
     except Exception:
         return message
     if earlier is not None and earlier[0] != me:

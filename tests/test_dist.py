@@ -170,6 +170,51 @@ def test_sharded_checkpoint_has_the_unsharded_format_and_values(job):
             torch.testing.assert_close(a["state"][k][field], b["state"][k][field], rtol=1e-5, atol=1e-7)
 
 
+def failing(failing_rank: int) -> None:
+    """A user's script where one rank raises while the other waits for it forever."""
+    import threading
+
+    from engine import dist
+
+    dist.setup("cpu")
+    if dist.rank() == failing_rank:
+        raise ValueError(f"boom on rank {failing_rank}")
+    if failing_rank == 0:  # rank 0 hosts the store here, and the survivor is inside a real collective
+        torch.distributed.all_reduce(torch.ones(1))
+    threading.Event().wait(300)  # stands in for an NCCL collective that would wait for its 10-minute timeout
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_failing_rank_ends_the_job_with_its_message(failing_rank):
+    ranks = launch(2, ["failing", str(failing_rank)], timeout=60)  # without the watchdog: TimeoutExpired
+    survivor = ranks[1 - failing_rank]
+    assert [p.returncode != 0 for p in ranks] == [True, True]
+    assert f"ValueError: boom on rank {failing_rank}" in ranks[failing_rank].stderr
+    assert f"error: rank {failing_rank} failed: ValueError: boom on rank {failing_rank}" in survivor.stderr, (
+        survivor.stderr[-2000:]
+    )
+
+
+def test_torchrun_bin_train_on_two_ranks(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / "bin" / "train"),
+         "train.train_iters=2", "optimizer.lr_warmup_iters=0", "train.device=cpu", "train.global_batch_size=4", "train.micro_batch_size=1",
+         "optimizer.use_distributed_optimizer=true", "model.num_layers=1", "model.hidden_size=32",
+         "model.seq_length=32", "data.max_bytes=65536", f"logging.metrics_file={metrics}",
+         f"checkpoint.save={tmp_path / 'ckpt'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows1 = [json.loads(line) for line in (tmp_path / "m.rank1.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and [r["loss"] for r in rows] == [r["loss"] for r in rows1]
+    assert proc.stdout.count("iterations 1..2: loss") == 1  # the summary, from rank 0 only
+    assert checkpoint.load(tmp_path / "ckpt")["iteration"] == 2
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(Path(sys.argv[2]))
+    elif sys.argv[1] == "failing":
+        failing(int(sys.argv[2]))
