@@ -78,7 +78,7 @@ class Engine:
         t = config.train
         self.data_parallel_size = data_parallel_size or dist.world_size()
         self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
-        self._forward_module = dist.wrap_model(module, device)  # DDP when distributed; state stays self.module's
+        self._forward_module = dist.wrap_model(module, device, optimizer)  # DDP if distributed; state: self.module
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
         self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
         self.micro_step = 0  # backward passes into the current global batch

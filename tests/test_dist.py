@@ -198,11 +198,11 @@ def test_a_failing_rank_ends_the_job_with_its_message(failing_rank):
 def test_torchrun_bin_train_on_two_ranks(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(ROOT / "bin" / "train"),
-         "train.train_iters=2", "optimizer.lr_warmup_iters=0", "train.device=cpu", "train.global_batch_size=4", "train.micro_batch_size=1",
-         "optimizer.use_distributed_optimizer=true", "model.num_layers=1", "model.hidden_size=32",
-         "model.seq_length=32", "data.max_bytes=65536", f"logging.metrics_file={metrics}",
-         f"checkpoint.save={tmp_path / 'ckpt'}"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "bin" / "train"), "train.train_iters=2", "optimizer.lr_warmup_iters=0", "train.device=cpu",
+         "train.global_batch_size=4", "train.micro_batch_size=1", "optimizer.use_distributed_optimizer=true",
+         "model.num_layers=1", "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536",
+         f"logging.metrics_file={metrics}", f"checkpoint.save={tmp_path / 'ckpt'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=180,
         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
