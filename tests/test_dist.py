@@ -13,13 +13,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import engine
-from engine import checkpoint
+from engine import checkpoint, dist
 from engine.optim.distributed import partition
 from tests.test_engine import TINY
 
@@ -44,8 +45,6 @@ def train(overrides, iters, load=None, save=None):
 # --- the 2-rank side ---------------------------------------------------------------------------------------
 def worker(out: Path) -> None:
     """Runs on every rank of the job; rank 0 writes results.json, every rank its final weights."""
-    from engine import dist
-
     results = {}
     _, results["ddp"] = train(DP, ITERS)
     eng, first = train(SHARDED, HALF, save=out / "ckpt_2ranks")
@@ -144,6 +143,29 @@ def test_partition_balances_whole_tensors_deterministically():
     assert partition(numels, 1) == [0] * len(numels)
 
 
+def test_data_position_carries_across_world_sizes():
+    saved = {"index": 6, "data_parallel_size": 2}  # 6 micro-batches on each of 2 ranks: 12 drawn in all
+    assert dist.rescale_data_state(saved, 1) == {"index": 12}
+    assert dist.rescale_data_state(saved, 4) == {"index": 3}
+    with pytest.raises(ValueError, match="12 micro-batches drawn over 2 ranks do not split evenly over 5 ranks"):
+        dist.rescale_data_state(saved, 5)
+
+
+def test_single_process_needs_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dist.setup("cpu") == 1 and not torch.distributed.is_initialized()
+    assert dist.rank_path("runs/m.jsonl") == "runs/m.jsonl"
+    monkeypatch.setenv("RANK", "3")
+    assert dist.rank_path("runs/m.jsonl") == "runs/m.rank3.jsonl"
+
+
+def test_global_batch_is_checked_at_the_actual_world_size(monkeypatch):
+    monkeypatch.setattr(dist, "setup", lambda *a, **k: 2)  # as if torchrun had started two ranks
+    with pytest.raises(engine.ConfigError, match=r"must be divisible by train.micro_batch_size \(4\) x "
+                       r"data-parallel size \(2\) = 8"):  # fmt: skip
+        engine.initialize(config=TINY, overrides=["train.global_batch_size=4", "train.micro_batch_size=4"])
+
+
 def test_two_rank_checkpoint_resumes_on_one_rank(job, reference):
     out, _ = job
     _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_2ranks")
@@ -172,10 +194,6 @@ def test_sharded_checkpoint_has_the_unsharded_format_and_values(job):
 
 def failing(failing_rank: int) -> None:
     """A user's script where one rank raises while the other waits for it forever."""
-    import threading
-
-    from engine import dist
-
     dist.setup("cpu")
     if dist.rank() == failing_rank:
         raise ValueError(f"boom on rank {failing_rank}")

@@ -121,7 +121,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- what the engine calls
     def set_grad_final(self, is_final: bool) -> None:
         if hasattr(self.inner, "set_grad_final"):
-            self.inner.set_grad_final(is_final)
+            # Across ranks a gradient is final only once DDP has reduced it, after every backward hook ran: an
+            # inner optimizer that ships gradients from its hooks (the hybrid one) must wait for the step.
+            self.inner.set_grad_final(is_final and self.world_size == 1)
 
     def attach_model(self, model: torch.nn.Module) -> None:
         if hasattr(self.inner, "attach_model"):
