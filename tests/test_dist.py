@@ -32,8 +32,44 @@ DP = ["train.global_batch_size=8", "train.micro_batch_size=2", f"train.train_ite
 SHARDED = DP + ["optimizer.use_distributed_optimizer=true"]
 
 
-def train(overrides, iters, load=None, save=None):
-    eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
+class NamedAdamW(torch.optim.AdamW):
+    """An inner optimizer shaped like the HybridDeviceOptimizer: `clip_and_step`, a state dict keyed by name."""
+
+    def __init__(self, groups, **kwargs):
+        self.names = [n for g in groups for n, _ in g["params"]]
+        super().__init__(groups, **kwargs)
+
+    def clip_and_step(self, max_norm, grad_scale=1.0):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"), foreach=True)
+        self.step()
+        return float(norm), True
+
+    def state_dict(self):
+        sd = super().state_dict()
+        return {"format": "named", "state": {self.names[i]: s for i, s in sd["state"].items()},
+                "param_groups": [{**g, "params": g["param_names"]} for g in sd["param_groups"]]}  # fmt: skip
+
+    def load_state_dict(self, sd):
+        index = {n: i for i, n in enumerate(self.names)}
+        super().load_state_dict({"state": {index[n]: s for n, s in sd["state"].items()},
+                                 "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                                                  for g in sd["param_groups"]]})  # fmt: skip
+
+
+def named_adamw(groups, cfg):
+    o = cfg.optimizer
+    return NamedAdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+
+
+def train(overrides, iters, load=None, save=None, build=None):
+    real = engine.engine.build_optimizer
+    engine.engine.build_optimizer = build or real
+    try:
+        eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
+    finally:
+        engine.engine.build_optimizer = real
     if load:
         eng.load_checkpoint(str(load))
     losses = [eng.train_batch() for _ in range(iters)]
@@ -55,6 +91,8 @@ def worker(out: Path) -> None:
     results["grad_norm"] = float(eng.last_grad_norm)
     torch.save(eng.module.state_dict(), out / f"weights_rank{dist.rank()}.pt")
     _, results["resumed_from_1rank"] = train(SHARDED, ITERS - HALF, load=out / "ckpt_1rank")
+    eng, first = train(SHARDED, HALF, save=out / "ckpt_named", build=named_adamw)
+    results["named_inner"] = first + [eng.train_batch() for _ in range(ITERS - HALF)]
     shards = [None] * dist.world_size()
     torch.distributed.all_gather_object(shards, results["owned_numel"])
     results["owned_by_rank"] = shards
@@ -169,6 +207,16 @@ def test_global_batch_is_checked_at_the_actual_world_size(monkeypatch):
 def test_two_rank_checkpoint_resumes_on_one_rank(job, reference):
     out, _ = job
     _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_2ranks")
+    assert resumed == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
+
+
+def test_inner_optimizer_with_its_own_clip_and_step_and_named_state(job, reference):
+    """The shape of the HybridDeviceOptimizer: clipped through grad_scale, its state gathered by name."""
+    out, results = job
+    assert results["named_inner"] == pytest.approx(reference[0], rel=0, abs=1e-6)
+    saved = checkpoint.load(out / "ckpt_named")["optimizer"]
+    assert saved["format"] == "named" and set(saved["state"]) == set(reference[1])
+    _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_named", build=named_adamw)
     assert resumed == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
 
 
