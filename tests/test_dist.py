@@ -21,7 +21,7 @@ import torch
 
 import engine
 from engine import checkpoint, dist
-from engine.optim.distributed import partition
+from engine.optim.distributed import DistributedOptimizer, partition
 from tests.test_engine import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,8 +83,18 @@ def worker(out: Path) -> None:
     """Runs on every rank of the job; rank 0 writes results.json, every rank its final weights."""
     results = {}
     _, results["ddp"] = train(DP, ITERS)
+    seen, real_hook = {"eng": None, "micro_steps": []}, DistributedOptimizer.ddp_comm_hook
+
+    def hook(self, state, bucket):  # records which micro-batch's backward reduces
+        seen["micro_steps"].append(seen["eng"] and seen["eng"].micro_step)
+        return real_hook(self, state, bucket)
+
+    DistributedOptimizer.ddp_comm_hook = hook
     eng, first = train(SHARDED, HALF, save=out / "ckpt_2ranks")
+    seen["eng"], seen["micro_steps"] = eng, []
     results["sharded"] = first + [eng.train_batch() for _ in range(ITERS - HALF)]
+    results["reducing_micro_steps"] = sorted(set(seen["micro_steps"]))
+    DistributedOptimizer.ddp_comm_hook = real_hook
     opt = eng.optimizer
     results["owned_numel"] = sum(p.numel() for p in opt.owned)
     results["inner_state_numel"] = sum(s["exp_avg"].numel() for s in opt.inner.state.values())
@@ -161,6 +171,11 @@ def test_distributed_optimizer_equals_the_unsharded_run(job, reference):
     for name, ref in weights.items():
         torch.testing.assert_close(w0[name], w1[name], rtol=0, atol=0, msg=name)  # the ranks agree exactly
         torch.testing.assert_close(w0[name], ref, rtol=0, atol=1e-6, msg=name)
+
+
+def test_only_the_last_micro_batch_reduces_gradients(job):
+    _, results = job
+    assert results["reducing_micro_steps"] == [1]  # 2 micro-batches per rank and step: the first one does not sync
 
 
 def test_distributed_optimizer_shards_states_by_whole_tensors(job, reference):
