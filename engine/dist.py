@@ -116,10 +116,11 @@ def setup_for(cfg: Config) -> int:
 
 def shutdown() -> None:
     """Stops the watchdog and leaves the process group this module created (after a barrier, so no rank tears
-    down under another)."""
-    _stop_watchdog()
+    down under another; the watchdog still guards that barrier)."""
     if _state["owned_group"] and tdist.is_initialized():
         tdist.barrier()
+    _stop_watchdog()
+    if _state["owned_group"] and tdist.is_initialized():
         tdist.destroy_process_group()
         _state["owned_group"] = False
 
