@@ -11,8 +11,12 @@ from engine.config import Config, ModelConfig
 from engine.models.gpt import GPT
 
 
-def build_model(m: ModelConfig) -> nn.Module:
-    """The built-in GPT shaped by `model.*`."""
+def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
+    """The GPT `model.implementation` names, shaped by `model.*`."""
+    if m.implementation == "megatron":
+        from engine import megatron
+
+        return megatron.build_gpt(m, device=device, seed=seed)
     return GPT(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -35,13 +39,20 @@ def named_parameter_groups(
         if not p.requires_grad or (chosen is not None and id(p) not in chosen):
             continue
         (decay if p.dim() >= 2 else no_decay).append((name, p))
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-            if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
-def build_optimizer(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
-    """The optimizer `optimizer.*` describes over named parameter groups."""
+def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `optimizer.*` describes over named parameter groups (model already on its device)."""
     o = cfg.optimizer
+    if o.implementation == "megatron":
+        from engine import megatron
+
+        return megatron.build_hybrid_optimizer(model, o, param_groups=groups)
     if o.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum)

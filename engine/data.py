@@ -33,7 +33,9 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
             if total >= max_bytes:
                 return np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if total == 0:
-        raise FileNotFoundError(f"data.source='stdlib': no .py files under {root}; use data.source='text' with data.path")
+        raise FileNotFoundError(
+            f"data.source='stdlib': no .py files under {root}; use data.source='text' with data.path"
+        )
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
@@ -47,7 +49,9 @@ def load_tokens(source: str, path: str | None, token_dtype: str, max_bytes: int,
         tokens = np.fromfile(path, dtype=np.uint8)
     else:
         if not path or not Path(path).is_file():
-            raise FileNotFoundError(f"data.path={path!r}: no such file; give a binary token file for data.source='tokens'")
+            raise FileNotFoundError(
+                f"data.path={path!r}: no such file; give a binary token file for data.source='tokens'"
+            )
         tokens = np.memmap(path, dtype=_TOKEN_DTYPES[token_dtype], mode="r")
     if len(tokens) == 0:
         raise ValueError(f"data.path={path!r} holds no tokens")

@@ -9,7 +9,6 @@ optimizer served by `_clip_and_step_plain`.
 from __future__ import annotations
 
 import resource
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -211,6 +210,19 @@ class Engine:
         return state["client_state"]
 
 
+def _apply_activation_offloading(model: nn.Module, m: Any) -> Any:
+    """The offload handle `model.cpu_offloading*` / `fine_grained_activation_offloading` ask for, or None."""
+    from engine import offload
+
+    if m.cpu_offloading:
+        return offload.apply_activation_offloading(
+            model, m.cpu_offloading_num_layers, m.cpu_offloading_activations, m.cpu_offloading_weights,
+            m.cpu_offloading_double_buffering, m.cpu_offloading_layers_path)
+    if m.fine_grained_activation_offloading:
+        return offload.apply_fine_grained_offloading(model, m.offload_modules, m.cpu_offloading_layers_path)
+    return None
+
+
 def initialize(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -230,17 +242,21 @@ def initialize(
     device = _pick_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     if model is None:
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, device, cfg.train.seed)
+    elif "megatron" in type(model).__module__:
+        from engine import megatron
+
+        model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
     if cfg.train.params_dtype == "half":
         model = model.to(DTYPES[cfg.train.precision])
     model = model.to(device)
-    offloader = None
+    offloader = _apply_activation_offloading(model, cfg.model)
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
         if cfg.optimizer.use_distributed_optimizer and world > 1:
-            optimizer = DistributedOptimizer(groups, lambda owned: build_optimizer(owned, cfg))
+            optimizer = DistributedOptimizer(groups, lambda owned: build_optimizer(owned, cfg, model))
         else:
-            optimizer = build_optimizer(groups, cfg)
+            optimizer = build_optimizer(groups, cfg, model)
     elif cfg.optimizer.use_distributed_optimizer and world > 1:
         raise ValueError("optimizer.use_distributed_optimizer=true shards its own optimizer; pass optimizer=None")
     elif cfg.optimizer.optimizer_cpu_offload:

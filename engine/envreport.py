@@ -42,7 +42,9 @@ def env_report() -> str:
     ]
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        lines.append(f"GPU             {torch.cuda.device_count()} x {props.name}, {props.total_memory / 2**30:.1f} GiB")
+        lines.append(
+            f"GPU             {torch.cuda.device_count()} x {props.name}, {props.total_memory / 2**30:.1f} GiB"
+        )
     lines += [
         f"CPU             {cpu['model']}",
         f"cores           {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process",

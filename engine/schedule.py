@@ -29,7 +29,13 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, *, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lr: float,
+        min_lr: float,
+        warmup_iters: int,
+        decay_iters: int,
         style: str,
     ) -> None:
         self.peak_lr, self.min_lr = lr, min_lr
@@ -37,8 +43,14 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):
         super().__init__(optimizer)
 
     def _value(self, step: int) -> float:
-        return lr_at(step, lr=self.peak_lr, min_lr=self.min_lr, warmup_iters=self.warmup_iters,
-                     decay_iters=self.decay_iters, style=self.style)
+        return lr_at(
+            step,
+            lr=self.peak_lr,
+            min_lr=self.min_lr,
+            warmup_iters=self.warmup_iters,
+            decay_iters=self.decay_iters,
+            style=self.style,
+        )
 
     def get_lr(self) -> list[float]:
         # last_epoch counts completed optimizer steps; the lr set now serves step last_epoch + 1

@@ -13,28 +13,58 @@ TRAIN = [sys.executable, str(ROOT / "bin" / "train")]
 
 
 def bin_train(*args, cwd=None):
-    return subprocess.run(TRAIN + list(args), capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        TRAIN + list(args),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def test_short_run_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = bin_train("train.train_iters=3", "train.device=cpu", "optimizer.lr_warmup_iters=0", f"logging.metrics_file={metrics}",
-                     "model.num_layers=1", "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536",
-                     f"checkpoint.save={tmp_path / 'ckpt'}")
+    proc = bin_train(
+        "train.train_iters=3",
+        "train.device=cpu",
+        "optimizer.lr_warmup_iters=0",
+        f"logging.metrics_file={metrics}",
+        "model.num_layers=1",
+        "model.hidden_size=32",
+        "model.seq_length=32",
+        "data.max_bytes=65536",
+        f"checkpoint.save={tmp_path / 'ckpt'}",
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    keys = {"iteration", "loss", "lr", "grad_norm", "iteration_ms", "tokens_per_s", "peak_memory_bytes",
-            "host_offload_bytes"}
+    keys = {
+        "iteration",
+        "loss",
+        "lr",
+        "grad_norm",
+        "iteration_ms",
+        "tokens_per_s",
+        "peak_memory_bytes",
+        "host_offload_bytes",
+    }
     assert keys <= rows[0].keys()
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0 for r in rows)
     assert "loss" in proc.stdout and "tokens/s" in proc.stdout  # the summary
     assert (tmp_path / "ckpt" / "iter_0000003" / "state.pt").is_file()
     # resuming from the checkpoint with a longer run continues at iteration 4
-    proc = bin_train("train.train_iters=4", "train.device=cpu", "optimizer.lr_warmup_iters=0", f"logging.metrics_file={metrics}",
-                     "model.num_layers=1", "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536",
-                     f"checkpoint.load={tmp_path / 'ckpt'}")
+    proc = bin_train(
+        "train.train_iters=4",
+        "train.device=cpu",
+        "optimizer.lr_warmup_iters=0",
+        f"logging.metrics_file={metrics}",
+        "model.num_layers=1",
+        "model.hidden_size=32",
+        "model.seq_length=32",
+        "data.max_bytes=65536",
+        f"checkpoint.load={tmp_path / 'ckpt'}",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(metrics.read_text().splitlines()[-1])["iteration"] == 4
 

@@ -378,6 +378,16 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (['model.offload_modules=["mlp"]'], 1,
          r'model\.offload_modules=\["mlp"\]: are offloaded only with model\.fine_grained_activation_offloading=true'),
     ],
+    "_megatron_optimizer_options": [
+        (["optimizer.implementation=megatron", "optimizer.cpu_optimizer_threads=4"], 1,
+         r"optimizer\.cpu_optimizer_threads=4: applies only to optimizer\.implementation='engine'"),
+        (["optimizer.implementation=megatron", "optimizer.use_torch_optimizer_for_cpu_offload=true"], 1,
+         r"optimizer\.use_torch_optimizer_for_cpu_offload=true: applies only to"),
+    ],
+    "_layers_path_needs_offloading": [
+        (["model.cpu_offloading_layers_path=layers"], 1,
+         r"model\.cpu_offloading_layers_path=\"layers\": is read only by activation offloading"),
+    ],
     "_warmup_within_training": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
@@ -448,15 +458,9 @@ def test_several_rules_fire_together():
 
 # path -> (overrides that need the mechanism, data-parallel size); every NOT_BUILT row needs an example.
 NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
-    "model.implementation": (["model.implementation=megatron"], 1),
     "model.use_te": (["model.use_te=true"], 1),
-    "model.cpu_offloading": (["model.cpu_offloading=true"], 1),
-    "model.fine_grained_activation_offloading": (
-        ["model.fine_grained_activation_offloading=true", 'model.offload_modules=["mlp"]'], 1),
-    "model.cpu_offloading_layers_path": (["model.cpu_offloading_layers_path=layers"], 1),
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
-    "optimizer.implementation": (["optimizer.implementation=megatron"], 1),
     "optimizer.optimizer_cpu_offload": (
         ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1),
     "optimizer.delayed_param_update": (["optimizer.delayed_param_update=true"], 1),

@@ -58,7 +58,7 @@ class NamedAdamW(torch.optim.AdamW):
                                                   for g in sd["param_groups"]]})  # fmt: skip
 
 
-def named_adamw(groups, cfg):
+def named_adamw(groups, cfg, model=None):
     o = cfg.optimizer
     return NamedAdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
 

@@ -39,7 +39,7 @@ def test_train_batch_equals_hand_written_loop():
             losses.append(loss.item())
         assert not b.step() or True
         assert la == pytest.approx(sum(losses) / len(losses), rel=0, abs=1e-6)
-    for pa, pb in zip(a.module.parameters(), b.module.parameters()):
+    for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
 
 
@@ -49,7 +49,7 @@ def test_step_only_at_accumulation_boundary():
     eng.backward(eng(next(it)))
     before = [p.detach().clone() for p in eng.module.parameters()]
     assert eng.step() is False
-    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters(), strict=True))
     eng.backward(eng(next(it)))
     assert eng.step() is True
     assert eng.iteration == 1
@@ -64,14 +64,14 @@ def test_accumulation_matches_one_big_batch():
     acc.backward(acc(b1))
     acc.backward(acc(b2))
     big.backward(big((torch.cat([b1[0], b2[0]]), torch.cat([b1[1], b2[1]]))))
-    for pa, pb in zip(acc.module.parameters(), big.module.parameters()):
+    for pa, pb in zip(acc.module.parameters(), big.module.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_matches_plain_torch_adamw_with_clipping_and_schedule():
     eng, _, _ = make(["train.train_iters=5"])
     torch.manual_seed(eng.config.train.seed)
-    ref = engine.build.build_model(eng.config.model)
+    ref = engine.build.build_model(eng.config.model, torch.device("cpu"), 0)
     ref.load_state_dict(eng.module.state_dict())
     decay = [p for p in ref.parameters() if p.dim() >= 2]
     rest = [p for p in ref.parameters() if p.dim() < 2]
@@ -80,7 +80,7 @@ def test_matches_plain_torch_adamw_with_clipping_and_schedule():
     used = []
     data = eng._data(None)
     batches = [[next(data) for _ in range(2)] for _ in range(5)]
-    for step, pair in enumerate(batches):
+    for _step, pair in enumerate(batches):
         used.append(eng.optimizer.param_groups[0]["lr"])
         eng.train_batch(iter(pair))
         for g in opt.param_groups:
@@ -90,14 +90,21 @@ def test_matches_plain_torch_adamw_with_clipping_and_schedule():
         torch.nn.utils.clip_grad_norm_(decay + rest, 1.0, foreach=True)  # the engine's group order
         opt.step()
         opt.zero_grad()
-    for (name, p), q in zip(eng.module.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(eng.module.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     assert used == pytest.approx(lrs, rel=1e-12)
 
 
 def test_loss_decreases_on_default_data():
-    eng, _, _ = make(["train.global_batch_size=8", "train.micro_batch_size=8", "optimizer.lr=3e-3",
-                      "train.train_iters=15", "optimizer.lr_decay_style=constant"])
+    eng, _, _ = make(
+        [
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            "optimizer.lr=3e-3",
+            "train.train_iters=15",
+            "optimizer.lr_decay_style=constant",
+        ]
+    )
     losses = [eng.train_batch() for _ in range(15)]
     assert losses[-1] < losses[0] * 0.8
 
@@ -119,15 +126,19 @@ def test_fp16_overflow_skips_step_and_halves_scale():
         eng.backward(eng(next(it)) * float("inf"))
     assert eng.step() is False
     assert eng.last_step_skipped and eng.scaler.scale == scale / 2
-    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters(), strict=True))
 
 
 def test_user_model_and_optimizer_with_own_loss():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    eng, o, _ = engine.initialize(model=model, optimizer=opt, config=TINY,
-                                  loss_fn=torch.nn.functional.mse_loss,
-                                  overrides=["optimizer.lr_warmup_iters=0", "optimizer.lr_decay_style=constant"])
+    eng, o, _ = engine.initialize(
+        model=model,
+        optimizer=opt,
+        config=TINY,
+        loss_fn=torch.nn.functional.mse_loss,
+        overrides=["optimizer.lr_warmup_iters=0", "optimizer.lr_decay_style=constant"],
+    )
     assert o is opt
     x, y = torch.randn(2, 4), torch.randn(2, 1)
     first = eng.train_batch(iter([(x, y), (x, y)]))
@@ -137,8 +148,14 @@ def test_user_model_and_optimizer_with_own_loss():
 
 
 def test_schedule_warmup_then_decay():
-    eng, opt, _ = make(["optimizer.lr_warmup_iters=2", "optimizer.lr_decay_style=cosine", "optimizer.min_lr=1e-4",
-                        "train.train_iters=4"])
+    eng, opt, _ = make(
+        [
+            "optimizer.lr_warmup_iters=2",
+            "optimizer.lr_decay_style=cosine",
+            "optimizer.min_lr=1e-4",
+            "train.train_iters=4",
+        ]
+    )
     seen = []
     for _ in range(5):
         seen.append(opt.param_groups[0]["lr"])

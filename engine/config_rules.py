@@ -1,0 +1,253 @@
+"""The config's cross-field rules and the table of options whose mechanism is not built yet.
+
+Each rule reads a namespace view of the validated raw config and yields `Problem`s; the reference's
+constraints come first, with Megatron's exact messages. `engine.config` runs them and formats the errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+# --- cross-field rules: the reference's constraints first, then our own ----------------------------------
+
+
+class Problem(NamedTuple):
+    path: str  # the dotted key the message is about; its value is shown before the text
+    text: str
+
+
+Rule = Callable[[SimpleNamespace, int], Iterator[Problem]]
+RULES: list[tuple[tuple[str, ...], Rule]] = []
+
+
+def _rule(*reads: str) -> Callable[[Rule], Rule]:
+    """Register a rule with the paths it reads; it is skipped when one of them failed the schema."""
+
+    def register(fn: Rule) -> Rule:
+        RULES.append((reads, fn))
+        return fn
+
+    return register
+
+
+@_rule("model.cpu_offloading", "model.cpu_offloading_num_layers", "model.num_layers")
+def _offloaded_layer_count(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    m = c.model
+    if m.cpu_offloading and (m.cpu_offloading_num_layers < 0 or m.cpu_offloading_num_layers >= m.num_layers):
+        yield Problem(
+            "model.cpu_offloading_num_layers",
+            f"CPU offloading can be done only for layers less than {m.num_layers}; "
+            f"set model.cpu_offloading_num_layers between 0 and {m.num_layers - 1}",
+        )
+
+
+@_rule("model.cpu_offloading", "model.pipeline_model_parallel_size")
+def _offload_without_pipeline(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.cpu_offloading and c.model.pipeline_model_parallel_size > 1:
+        yield Problem(
+            "model.pipeline_model_parallel_size",
+            "Currently there is no support for Pipeline parallelism with CPU offloading; "
+            "set model.pipeline_model_parallel_size=1, "
+            "or offload the optimizer instead (optimizer.optimizer_cpu_offload)",
+        )
+
+
+@_rule("model.cpu_offloading", "model.recompute_granularity")
+def _offload_without_recompute(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.cpu_offloading and c.model.recompute_granularity is not None:
+        yield Problem(
+            "model.recompute_granularity",
+            "CPU offloading does not work when activation recomputation is enabled; "
+            "set model.recompute_granularity=null or model.cpu_offloading=false",
+        )
+
+
+@_rule("model.cpu_offloading", "model.fine_grained_activation_offloading")
+def _one_activation_offloading(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.fine_grained_activation_offloading and c.model.cpu_offloading:
+        yield Problem(
+            "model.fine_grained_activation_offloading",
+            "fine_grained_activation_offloading cannot be enabled with cpu_offloading. "
+            "Set model.fine_grained_activation_offloading=false or model.cpu_offloading=false",
+        )
+
+
+@_rule("model.cpu_offloading", "model.cuda_graph_impl")
+def _offload_without_cuda_graphs(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.cpu_offloading and c.model.cuda_graph_impl != "none":
+        yield Problem(
+            "model.cuda_graph_impl",
+            "CUDA graphs not supported with CPU offloading. "
+            'Set model.cuda_graph_impl="none" or model.cpu_offloading=false',
+        )
+
+
+@_rule("optimizer.optimizer_cpu_offload", "optimizer.use_distributed_optimizer")
+def _optimizer_offload_needs_distributed(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.optimizer.optimizer_cpu_offload and not c.optimizer.use_distributed_optimizer:
+        yield Problem(
+            "optimizer.optimizer_cpu_offload",
+            "optimizer_cpu_offload requires use_distributed_optimizer=True (Megatron builds HybridDeviceOptimizer "
+            "only inside the distributed optimizer); set optimizer.use_distributed_optimizer=true",
+        )
+
+
+@_rule("train.global_batch_size", "train.micro_batch_size")
+def _batch_arithmetic(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    gbs, mbs = c.train.global_batch_size, c.train.micro_batch_size
+    step = mbs * dp
+    if gbs % step:
+        nearest = max(1, round(gbs / step)) * step
+        yield Problem(
+            "train.global_batch_size",
+            f"must be divisible by train.micro_batch_size ({mbs}) x data-parallel size ({dp}) = {step}; "
+            f"set train.global_batch_size to a multiple of {step} (e.g. {nearest}) or lower train.micro_batch_size",
+        )
+
+
+@_rule("model.hidden_size", "model.num_attention_heads")
+def _heads_divide_hidden(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.hidden_size % c.model.num_attention_heads:
+        yield Problem(
+            "model.hidden_size",
+            f"must be divisible by model.num_attention_heads ({c.model.num_attention_heads}); "
+            "change model.hidden_size or model.num_attention_heads",
+        )
+
+
+@_rule("optimizer.lr", "optimizer.min_lr")
+def _min_lr_below_lr(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.optimizer.min_lr > c.optimizer.lr:
+        yield Problem("optimizer.min_lr", f"must be <= optimizer.lr ({c.optimizer.lr}); lower optimizer.min_lr")
+
+
+@_rule("data.source", "data.path")
+def _file_sources_need_path(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.data.source in ("text", "tokens") and c.data.path is None:
+        yield Problem(
+            "data.path", f'data.source="{c.data.source}" reads a file; set data.path to it or data.source="stdlib"'
+        )
+
+
+@_rule("train.params_dtype", "train.precision")
+def _half_params_need_half_precision(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.train.params_dtype == "half" and c.train.precision not in ("bf16", "fp16"):
+        yield Problem(
+            "train.params_dtype",
+            f'half weights need train.precision "bf16" or "fp16", not "{c.train.precision}"; '
+            'set train.params_dtype="fp32" or train.precision="bf16"',
+        )
+
+
+@_rule("train.precision", "train.loss_scale", "train.initial_loss_scale", "train.loss_scale_window")
+def _fp16_only_keys(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    # An fp16 knob under bf16/fp32 would be accepted and silently ignored; reject it instead.
+    if c.train.precision == "fp16":
+        return
+    from engine.config import _show, section_properties  # the schema's defaults; imported late (cycle)
+
+    train_props = section_properties()["train"]
+    for key in ("loss_scale", "initial_loss_scale", "loss_scale_window"):
+        default = train_props[key]["default"]
+        if getattr(c.train, key) != default:
+            yield (
+                f"train.{key}",
+                (
+                    f'is used only with train.precision="fp16", not "{c.train.precision}"; '
+                    f'set train.{key}={_show(default)} or train.precision="fp16"'
+                ),
+            )
+
+
+@_rule("model.fine_grained_activation_offloading", "model.offload_modules")
+def _fine_grained_needs_modules(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.fine_grained_activation_offloading and not c.model.offload_modules:
+        yield Problem(
+            "model.offload_modules",
+            'model.fine_grained_activation_offloading=true needs the sub-modules to offload; list them (e.g. ["mlp"])',
+        )
+    if c.model.offload_modules and not c.model.fine_grained_activation_offloading:
+        yield Problem(
+            "model.offload_modules",
+            "are offloaded only with model.fine_grained_activation_offloading=true; "
+            "set it, or set model.offload_modules=[]",
+        )
+
+
+@_rule(
+    "optimizer.implementation",
+    "optimizer.cpu_optimizer_threads",
+    "optimizer.use_torch_optimizer_for_cpu_offload",
+    "optimizer.delayed_param_update",
+)
+def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    # megatron-core's builder picks its own CPU optimizer and threads: these would be silently ignored there
+    if c.optimizer.implementation != "megatron":
+        return
+    o = c.optimizer
+    for key, unset in (
+        ("cpu_optimizer_threads", o.cpu_optimizer_threads is None),
+        ("use_torch_optimizer_for_cpu_offload", not o.use_torch_optimizer_for_cpu_offload),
+        ("delayed_param_update", not o.delayed_param_update),
+    ):
+        if not unset:
+            yield Problem(
+                f"optimizer.{key}",
+                "applies only to optimizer.implementation='engine' (megatron-core's HybridDeviceOptimizer "
+                f"does not read it); unset optimizer.{key} or use optimizer.implementation='engine'",
+            )
+
+
+@_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")
+def _layers_path_needs_offloading(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    m = c.model
+    if m.cpu_offloading_layers_path is not None and not (m.cpu_offloading or m.fine_grained_activation_offloading):
+        yield Problem(
+            "model.cpu_offloading_layers_path",
+            "is read only by activation offloading; set model.cpu_offloading=true or "
+            "model.fine_grained_activation_offloading=true, or unset it",
+        )
+
+
+@_rule("optimizer.lr_warmup_iters", "train.train_iters")
+def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.optimizer.lr_warmup_iters > c.train.train_iters:
+        yield Problem(
+            "optimizer.lr_warmup_iters",
+            f"must be <= train.train_iters ({c.train.train_iters}); lower optimizer.lr_warmup_iters",
+        )
+
+
+def _blocked(reads: Sequence[str], bad: set[str]) -> bool:
+    """True when a path the rule reads (or its section, or one of its items) failed validation."""
+    return any(r == b or r.startswith(b + ".") or b.startswith(r + "[") for r in reads for b in bad)
+
+
+# --- options whose mechanism is not built yet: delete a row when its mechanism lands ------------------------
+
+
+@dataclass(frozen=True)
+class NotBuilt:
+    path: str
+    rejects: Callable[[Any, int], bool]  # (value, data_parallel_size) -> True when the value needs the mechanism
+    what: str  # "<what> is not built yet ..."; with issue None a whole sentence ("... are not supported")
+    issue: int | None  # the issue that builds it; None: not planned
+    fix: str
+
+
+NOT_BUILT: tuple[NotBuilt, ...] = (
+    NotBuilt("model.use_te", lambda v, dp: v, "the Transformer Engine GPT", 7, "set model.use_te=false"),
+    NotBuilt("model.cuda_graph_impl", lambda v, dp: v != "none", "CUDA graphs are not supported", None,
+             'set model.cuda_graph_impl="none"'),
+    NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,
+             "set model.pipeline_model_parallel_size=1"),
+    NotBuilt("optimizer.optimizer_cpu_offload", lambda v, dp: v, "optimizer-state offloading (HybridDeviceOptimizer)",
+             3, "set optimizer.optimizer_cpu_offload=false"),
+    NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,
+             "set optimizer.delayed_param_update=false"),
+    NotBuilt("train.params_dtype", lambda v, dp: v == "half", "half-precision weights with fp32 master weights", 3,
+             'set train.params_dtype="fp32"'),
+)  # fmt: skip

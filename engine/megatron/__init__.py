@@ -1,0 +1,52 @@
+"""megatron-core and Transformer Engine integration (the optional `megatron` and `te` extras).
+
+    from engine import megatron
+    megatron.available()                           # is megatron-core importable?
+    model = megatron.build_gpt(cfg.model)          # MegatronGPT: tokens [b, s] -> logits [b, s, v]
+    model = megatron.as_engine_module(user_model)  # a user's GPTModel behind the same adapter
+    opt = megatron.build_hybrid_optimizer(model, cfg.optimizer)   # megatron-core's HybridDeviceOptimizer (CUDA)
+
+Module map: availability (is it installed, the install hints), parallel (torch.distributed + parallel_state
+set-up), attention (a CPU-capable core attention for the local spec), gpt (GPTModel from `model.*` and its
+adapter), optimizer (HybridDeviceOptimizer built as Megatron builds it, with the engine's step protocol),
+te (Transformer Engine layers for the built-in GPT). Nothing here imports megatron-core until it is used.
+"""
+
+from engine.megatron.availability import (
+    MissingExtraError,
+    available,
+    require,
+    require_te,
+    te_available,
+    version,
+)
+from engine.megatron.gpt import MegatronGPT, as_engine_module, build_gpt, is_gpt_model, transformer_config
+from engine.megatron.optimizer import (
+    MegatronOptimizerAdapter,
+    build_hybrid_optimizer,
+    build_megatron_optimizer,
+    megatron_param_groups,
+)
+from engine.megatron.parallel import ensure_model_parallel, teardown
+from engine.megatron.te import build_te_layers
+
+__all__ = [
+    "MegatronGPT",
+    "MegatronOptimizerAdapter",
+    "MissingExtraError",
+    "as_engine_module",
+    "available",
+    "build_gpt",
+    "build_hybrid_optimizer",
+    "build_megatron_optimizer",
+    "build_te_layers",
+    "ensure_model_parallel",
+    "is_gpt_model",
+    "megatron_param_groups",
+    "require",
+    "require_te",
+    "te_available",
+    "teardown",
+    "transformer_config",
+    "version",
+]

@@ -1,0 +1,203 @@
+"""megatron-core's optimizer for `optimizer.implementation="megatron"`, built the way Megatron builds it, behind
+the engine's step protocol (`clip_and_step`).
+
+With `optimizer.optimizer_cpu_offload` this is megatron-core's `HybridDeviceOptimizer` constructed exactly as
+`megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups` constructs it (the same in 0.16.x and
+0.19.x): the GPU side is megatron's `Adam` (Transformer Engine's FusedAdam, else Apex's, else torch AdamW),
+the CPU side torch AdamW, `param_update_in_fp32=True` (fp32 master copies of half params), the Adam
+hyperparameters plus `bias_correction=True, fused=True` as group defaults, and the offload fraction, overlap
+and pinning switches from the config. Without `optimizer_cpu_offload` it is megatron's plain `Adam` / `SGD`.
+
+megatron's `HybridDeviceOptimizer` is CUDA-only (it takes CUDA streams when built), so on CPU building it
+raises an error that says so. Megatron's `use_torch_optimizer_for_cpu_offload` has no effect for Adam or
+SGD in megatron-core (its builder overrides the classes it sets), and it has none here either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.megatron.availability import require
+
+HDO_NEEDS_CUDA = (
+    "optimizer.implementation='megatron' with optimizer.optimizer_cpu_offload=true needs CUDA: megatron-core's "
+    "HybridDeviceOptimizer moves parameters between CUDA and pinned host memory on CUDA streams; "
+    "on CPU use optimizer.implementation='engine'"
+)
+
+
+def megatron_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """megatron-core's default grouping: no weight decay for biases and 1-D parameters (norms)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _plain_groups(groups: Iterable[dict]) -> list[dict]:
+    """Groups with bare tensors: the engine's builder passes (name, parameter) pairs, which megatron-core's
+    optimizer (it re-splits groups into sub-optimizers by tensor) does not understand."""
+    out = []
+    for g in groups:
+        g = dict(g)
+        g["params"] = [p[1] if isinstance(p, tuple) else p for p in g["params"]]
+        g.pop("param_names", None)
+        out.append(g)
+    return out
+
+
+def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.optim.Optimizer:
+    """megatron-core's optimizer over `param_groups` for our `optimizer.*` (an OptimizerConfig or alike)."""
+    require("optimizer.implementation='megatron'")
+    import megatron.core.optimizer as mopt
+
+    groups = _plain_groups(param_groups)
+    if cfg.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: megatron-core's builder here takes adam or sgd")
+    if not cfg.optimizer_cpu_offload:
+        if cfg.optimizer == "sgd":
+            return mopt.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, eps=cfg.adam_eps)
+        if mopt.USING_PYTORCH_OPTIMIZER:
+            return torch.optim.AdamW(groups, **kwargs)
+        return mopt.Adam(groups, adam_w_mode=True, **kwargs)  # TE / Apex FusedAdam in AdamW mode
+    if not torch.cuda.is_available() or any(p.device.type != "cuda" for g in groups for p in g["params"]):
+        raise RuntimeError(HDO_NEEDS_CUDA)
+    if cfg.optimizer == "adam":
+        gpu_cls, cpu_cls = mopt.Adam, torch.optim.AdamW
+        defaults = dict(
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            bias_correction=True,
+            fused=True,  # megatron sets it for the CPU side's torch AdamW
+        )
+    else:
+        gpu_cls, cpu_cls = mopt.SGD, torch.optim.SGD
+        defaults = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
+    return mopt.HybridDeviceOptimizer(
+        groups,
+        offload_fraction=cfg.optimizer_offload_fraction,
+        cpu_optimizer_cls=cpu_cls,
+        gpu_optimizer_cls=gpu_cls,
+        overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+        pin_cpu_grads=cfg.pin_cpu_grads,
+        pin_cpu_params=cfg.pin_cpu_params,
+        param_update_in_fp32=True,
+        **defaults,
+    )
+
+
+class MegatronOptimizerAdapter(torch.optim.Optimizer):
+    """The engine's optimizer protocol over a megatron-core optimizer (`inner`).
+
+    It shares `inner`'s param-group dicts, so an LR schedule built on the adapter sets the lr `inner` uses
+    (HybridDeviceOptimizer copies group settings into its sub-optimizers at every step). Optimizer state
+    lives in `inner`; `state_dict`/`load_state_dict` are `inner`'s.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        # torch.optim.Optimizer.add_param_group keeps each group dict it is given: the dicts are shared
+        super().__init__(inner.param_groups, inner.defaults)
+
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def clip_and_step(self, max_norm: float, grad_scale: float = 1.0) -> tuple[float, bool]:
+        """Unscale, clip the global L2 norm to `max_norm` (<= 0: no clipping), step `inner`.
+
+        Returns (pre-clip unscaled gradient norm, stepped); a non-finite norm skips the step. Clipping
+        over the model's gradients before `inner.step()` is what Megatron's FP32Optimizer does around it.
+        """
+        params = self._params_with_grad()
+        if not params:
+            return 0.0, False
+        if grad_scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+        # the step's one synchronisation: skipping needs the norm on the host (Megatron syncs here too)
+        norm_f = float(norm)
+        if not math.isfinite(norm_f):
+            return norm_f, False
+        self.inner.step()
+        self._opt_called = True  # torch LR schedulers check this to know a step happened
+        return norm_f, True
+
+    def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch API: step without clipping
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """`inner`'s state dict, loadable with `torch.load(weights_only=True)`: the optimizer classes that
+        HybridDeviceOptimizer keeps in its groups are written as their names."""
+        sd = self.inner.state_dict()
+        for g in sd["param_groups"]:  # torch packs fresh group dicts: editing them leaves inner alone
+            for k, v in g.items():
+                if isinstance(v, type):
+                    g[k] = f"{v.__module__}.{v.__qualname__}"
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into `inner`, putting back the live classes `state_dict` wrote as names."""
+        sd = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+        for saved, live in zip(sd["param_groups"], self.inner.param_groups, strict=True):
+            saved.update({k: v for k, v in live.items() if isinstance(v, type)})
+        inner = self.inner
+        if getattr(inner, "param_update_in_fp32", False) and not inner.param_to_fp32_param:
+            # megatron's HybridDeviceOptimizer (0.16-0.19) refreshes fp32 copies after a load by indexing
+            # param_to_fp32_param with every parameter; fp32 parameters have no copy there (a KeyError). With
+            # every parameter fp32 the flag changes nothing else, so it is off for the load only.
+            inner.param_update_in_fp32 = False
+            try:
+                inner.load_state_dict(sd)
+            finally:
+                inner.param_update_in_fp32 = True
+        else:
+            inner.load_state_dict(sd)
+        # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
+        self.param_groups = self.inner.param_groups
+
+    def host_bytes(self) -> int:
+        """Bytes of optimizer state, master and gradient copies that `inner` keeps in host memory."""
+        seen: set[int] = set()
+        total = 0
+        subs = getattr(self.inner, "cpu_optimizers", [])
+        tensors = [
+            t
+            for o in subs
+            for p in (q for g in o.param_groups for q in g["params"])
+            for t in [p, p.grad, *o.state.get(p, {}).values()]
+            if isinstance(t, torch.Tensor)
+        ]
+        for t in tensors:
+            if t.device.type == "cpu" and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+
+def build_hybrid_optimizer(
+    model: nn.Module, cfg: Any, param_groups: Iterable[dict] | None = None
+) -> MegatronOptimizerAdapter:
+    """megatron-core's optimizer for `model` under our `optimizer.*`, behind the engine's protocol.
+
+    `param_groups` default to megatron's grouping (no decay on biases and 1-D params); the engine may pass
+    its own groups (plain or (name, param) pairs). The model must already be on its device (CUDA for the
+    offloading HybridDeviceOptimizer), since megatron splits parameters by where they live.
+    """
+    groups = megatron_param_groups(model, cfg.weight_decay) if param_groups is None else param_groups
+    return MegatronOptimizerAdapter(build_megatron_optimizer(groups, cfg))

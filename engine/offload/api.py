@@ -1,0 +1,91 @@
+"""The two entry points the engine calls once after building the model and moving it to its device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from engine.offload.discovery import find_layers, find_submodules
+from engine.offload.session import OffloadSession
+from engine.offload.wrap import OffloadHandle
+
+# saved storages this small stay on the device: LayerNorm statistics, RNG seeds, scalars. A copy this size
+# costs its launch and event more than the PCIe time, and frees next to nothing.
+DEFAULT_MIN_BYTES = 64 * 1024
+
+
+def apply_activation_offloading(
+    model: nn.Module,
+    num_layers: int,
+    activations: bool = True,
+    weights: bool = False,
+    double_buffering: bool = False,
+    layers_path: str | None = None,
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+) -> OffloadHandle:
+    """Offload what the first `num_layers` transformer layers save for backward (model.cpu_offloading).
+
+    activations: the layers' saved activations. weights: the weight copies they save (autocast's low-precision
+    casts of the parameters, and views of them); parameters themselves are never copied, since a copy of a
+    tensor that stays resident frees nothing. With fp32 or pure-bf16 parameters autograd saves the parameter
+    itself, so `weights` has nothing to move there. double_buffering: reload into two reused device buffers,
+    one layer ahead; without it, reloads run as far ahead as backward has freed memory for.
+    """
+    layers = find_layers(model, layers_path)
+    n = len(layers)
+    if num_layers < 0 or num_layers >= n:
+        raise ValueError(f"CPU offloading can be done only for layers less than {n}")
+    if num_layers == 0:
+        return OffloadHandle(None, [])
+    # reloads ahead of need: as many layers as the non-offloaded ones minus the one computing, so the
+    # reloaded layers never hold more than what the non-offloaded layers held at the end of forward
+    lookahead = max(1, n - num_layers - 1)
+    session = OffloadSession(
+        model, n, activations=activations, weights=weights, double_buffering=double_buffering,
+        lookahead=lookahead, min_bytes=min_bytes,
+    )  # fmt: skip
+    handle = OffloadHandle(session, list(layers[:num_layers]))
+    for i, layer in enumerate(layers):
+        if i < num_layers:
+            handle.offload(layer, i)
+        else:
+            handle.mark(layer, i)
+    return handle
+
+
+def apply_fine_grained_offloading(
+    model: nn.Module,
+    modules: Sequence[str] = ("mlp",),
+    layers_path: str | None = None,
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+) -> OffloadHandle:
+    """Offload what the chosen sub-modules of every layer save (model.fine_grained_activation_offloading).
+
+    modules: names relative to a layer ("attn_norm", "mlp", "attn.proj") or class names ("MLP"). Each chosen
+    module's forward call is one group, reloaded one group ahead in backward. Interleaved micro-batches of a
+    pipeline schedule are fine: each forward pass links only its own groups.
+    """
+    if not modules:
+        raise ValueError(
+            "model.offload_modules is empty: name the sub-modules of a layer to offload, "
+            'e.g. ["attn_norm", "attn", "mlp_norm", "mlp"] for the built-in GPT'
+        )
+    layers = find_layers(model, layers_path)
+    chosen = [m for layer in layers for _, m in find_submodules(layer, tuple(modules))]
+    if not chosen:
+        names = sorted({name for layer in layers for name, _ in layer.named_modules() if name})
+        raise ValueError(
+            f"model.offload_modules={list(modules)} matches no sub-module of {type(layers[0]).__name__}; "
+            f"its sub-modules are {names}"
+        )
+    session = OffloadSession(
+        model, len(chosen), activations=True, weights=False, double_buffering=False, lookahead=1,
+        min_bytes=min_bytes,
+    )  # fmt: skip
+    handle = OffloadHandle(session, chosen)
+    for i, m in enumerate(chosen):
+        handle.offload(m, i)
+    return handle
