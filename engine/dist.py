@@ -112,8 +112,10 @@ def setup_for(cfg: Config) -> int:
     if n > 1:
         load_config(cfg, data_parallel_size=n)  # raises ConfigError naming train.global_batch_size
         if cfg.optimizer.implementation == "megatron" and cfg.optimizer.use_distributed_optimizer:
-            raise ValueError('optimizer.implementation="megatron" with use_distributed_optimizer across ranks '
-                             'is not built yet (issue 5): set optimizer.implementation="engine" or run on one rank')
+            raise ValueError(
+                'optimizer.implementation="megatron" with use_distributed_optimizer across ranks '
+                'is not built yet (issue 5): set optimizer.implementation="engine" or run on one rank'
+            )
     return n
 
 
