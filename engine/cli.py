@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine import checkpoint
+from engine import checkpoint, dist
 from engine.config import Config, ConfigError, load_config
 from engine.engine import initialize
 from engine.metrics import MetricsLog, format_bytes
@@ -42,16 +42,16 @@ def train(cfg: Config) -> MetricsLog:
     eng, _, _ = initialize(config=cfg)
     if cfg.checkpoint.load:
         if checkpoint.latest_folder(cfg.checkpoint.load) is None:
-            print(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
+            dist.log(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
         else:
             eng.load_checkpoint(cfg.checkpoint.load)
-            print(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
+            dist.log(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
     eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
-    log = MetricsLog(cfg.logging.metrics_file)
+    log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
     tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
     save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
-    bar = tqdm(total=cfg.train.train_iters, initial=eng.iteration, disable=not cfg.logging.progress_bar,
-               unit="it", dynamic_ncols=True)
+    bar = tqdm(total=cfg.train.train_iters, initial=eng.iteration, unit="it", dynamic_ncols=True,
+               disable=not (cfg.logging.progress_bar and dist.is_main()))  # rank 0 only
     try:
         while eng.iteration < cfg.train.train_iters:
             start = time.perf_counter()
@@ -97,7 +97,8 @@ def train_main(argv: list[str] | None = None) -> int:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
         log = train(cfg)
-        print(log.summary())
+        dist.log(log.summary())
+        dist.shutdown()
         return 0
     except ConfigError as e:
         if args.debug:
@@ -112,5 +113,6 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         ours = isinstance(e, (ValueError, FileNotFoundError))  # raised with a message naming the key
-        print(f"error: {e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0], file=sys.stderr)
+        message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
+        print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

@@ -246,7 +246,4 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              "set model.pipeline_model_parallel_size=1"),
     NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,
              "set optimizer.delayed_param_update=false"),
-    NotBuilt("optimizer.use_distributed_optimizer", lambda v, dp: v and dp > 1,
-             "sharding the optimizer across data-parallel ranks", 5,
-             "set optimizer.use_distributed_optimizer=false or run on one rank"),
 )  # fmt: skip

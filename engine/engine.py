@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint
+from engine import checkpoint, dist
 from engine.build import build_model, build_optimizer, named_parameter_groups
 from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
 from engine.models.gpt import gpt_loss
+from engine.optim.distributed import DistributedOptimizer
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.schedule import WarmupDecayLR
 
@@ -69,12 +70,14 @@ class Engine:
         device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         offloader: Any = None,
-        data_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
     ) -> None:
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
         self.config, self.device, self.loss_fn, self.offloader = config, device, loss_fn, offloader
         t = config.train
-        self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * data_parallel_size)
+        self.data_parallel_size = data_parallel_size or dist.world_size()
+        self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
+        self._forward_module = dist.wrap_model(module, device, optimizer)  # DDP if distributed; state: self.module
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
         self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
         self.micro_step = 0  # backward passes into the current global batch
@@ -89,14 +92,16 @@ class Engine:
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch: `(inputs, labels)`, a dict, or a tensor the model maps to a loss."""
         batch = _move(batch, self.device)
+        model = self._forward_module
+        dist.set_grad_sync(model, self.micro_step + 1 >= self.micro_batches_per_step)  # reduce on the last only
         with self._autocast:
             if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                return self.loss_fn(self.module(batch[0]), batch[1])
+                return self.loss_fn(model(batch[0]), batch[1])
             if isinstance(batch, dict):
                 labels = batch.pop("labels", None)
-                out = self.module(**batch)
+                out = model(**batch)
                 return out if labels is None else self.loss_fn(out, labels)
-            return self.module(batch)
+            return model(batch)
 
     __call__ = forward
 
@@ -137,7 +142,7 @@ class Engine:
             self.backward(loss)
             total += loss.detach().float()
         self.step()
-        return total.item() / self.micro_batches_per_step
+        return dist.average(total).item() / self.micro_batches_per_step
 
     def _data(self, data_iter: Iterable | None) -> Iterator:
         if data_iter is not None:
@@ -146,8 +151,10 @@ class Engine:
             self.data_iter = self.default_data()
         return self.data_iter
 
-    def default_data(self, rank: int = 0, world_size: int = 1) -> TokenBatches:
-        """The config's data section as an iterator of micro-batches."""
+    def default_data(self, rank: int | None = None, world_size: int | None = None) -> TokenBatches:
+        """The config's data section as an iterator of micro-batches (this rank's shard of each global batch)."""
+        rank = dist.rank() if rank is None else rank
+        world_size = self.data_parallel_size if world_size is None else world_size
         d, m = self.config.data, self.config.model
         tokens = load_tokens(d.source, d.path, d.token_dtype, d.max_bytes, m.vocab_size)
         return TokenBatches(tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed,
@@ -186,10 +193,10 @@ class Engine:
             "loss_scaler": self.scaler.state_dict(),
             "rng": {"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            "data": self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None,
+            "data": dist.data_state(self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None),
             "client_state": client_state or {},
         }
-        return str(checkpoint.save(save_dir, self.iteration, state))
+        return str(dist.on_main(lambda: checkpoint.save(save_dir, self.iteration, state)))  # rank 0 writes
 
     def load_checkpoint(self, load_dir: str) -> dict:
         """Restores the newest checkpoint under `load_dir`; returns its client_state."""
@@ -204,7 +211,7 @@ class Engine:
         if state["data"] is not None:
             if self.data_iter is None:
                 self.data_iter = self.default_data()
-            self.data_iter.load_state_dict(state["data"])
+            self.data_iter.load_state_dict(dist.rescale_data_state(state["data"], self.data_parallel_size))
         self.iteration = int(state["iteration"])
         self.micro_step = 0
         return state["client_state"]
@@ -238,6 +245,7 @@ def initialize(
     as-is, with the config's schedule applied to each group's own lr.
     """
     cfg = config if isinstance(config, Config) and not overrides else load_config(config or {}, list(overrides))
+    world = dist.setup_for(cfg)  # joins torchrun's process group; a no-op for one process
     device = _pick_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     if model is None:
@@ -252,11 +260,16 @@ def initialize(
     offloader = _apply_activation_offloading(model, cfg.model)
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
-        optimizer = build_optimizer(groups, cfg, model)
+        if cfg.optimizer.use_distributed_optimizer and world > 1:
+            optimizer = DistributedOptimizer(groups, lambda owned: build_optimizer(owned, cfg, model))
+        else:
+            optimizer = build_optimizer(groups, cfg, model)
+    elif cfg.optimizer.use_distributed_optimizer and world > 1:
+        raise ValueError("optimizer.use_distributed_optimizer=true shards its own optimizer; pass optimizer=None")
     elif cfg.optimizer.optimizer_cpu_offload:
         raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
     o = cfg.optimizer
     scheduler = WarmupDecayLR(optimizer, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
                               decay_iters=o.lr_decay_iters or cfg.train.train_iters, style=o.lr_decay_style)
-    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader)
+    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader, world)
     return eng, optimizer, scheduler

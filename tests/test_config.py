@@ -462,8 +462,6 @@ NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
     "optimizer.delayed_param_update": (["optimizer.delayed_param_update=true"], 1),
-    "optimizer.use_distributed_optimizer": (
-        ["optimizer.use_distributed_optimizer=true", "train.micro_batch_size=4"], 2),
 }  # fmt: skip
 
 
