@@ -11,8 +11,10 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bin/train --env | tee "$OUT/env.txt"
 
-echo "== GPU tests"
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+STAGES=${STAGES:-"tests parity bench megatron"}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
+
+stage tests && echo "== GPU tests" && timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 
 parity() {  # name, then overrides shared by both runs; the second run adds $OFF
   local name=$1; shift
@@ -28,14 +30,12 @@ print(f"{sys.argv[3]}: {len(a)} iterations, loss {a[0]['loss']:.4f} -> {a[-1]['l
       f"{max(x['peak_memory_bytes'] for x in b)/2**30:.2f}; host GiB {max(x['host_offload_bytes'] for x in b)/2**30:.2f}")
 PY
 }
-echo "== bin/train parity on CUDA"
-SHAPE=${SHAPE:-"model.num_layers=8 model.hidden_size=512 model.num_attention_heads=8 model.seq_length=512 train.micro_batch_size=8 train.global_batch_size=16 train.train_iters=60"}
+stage parity && echo "== bin/train parity on CUDA"
+SHAPE=${SHAPE:-"model.num_layers=8 model.hidden_size=512 model.num_attention_heads=8 model.seq_length=512 train.micro_batch_size=8 train.global_batch_size=16 train.train_iters=60 optimizer.lr=3e-4"}
 OFF="model.cpu_offloading=true model.cpu_offloading_num_layers=6 optimizer.optimizer_cpu_offload=true optimizer.use_distributed_optimizer=true optimizer.optimizer_offload_fraction=0.5 optimizer.overlap_cpu_optimizer_d2h_h2d=true"
-parity builtin-fp32 $SHAPE train.precision=fp32
-parity builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half
-parity megatron-fp32 $SHAPE model.implementation=megatron train.precision=fp32
-echo "== bench optimizer --compare megatron (small shape)"
-timeout 150 python3 bin/bench optimizer --compare megatron --layers 4 --hidden 1024 --heads 8 --seq 1024 --iters 5 --warmup 2 2>&1 | tail -12
+stage parity && parity builtin-fp32 $SHAPE train.precision=fp32
+stage parity && parity builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half
+stage parity && parity megatron-fp32 $SHAPE model.implementation=megatron train.precision=fp32
+stage bench && echo "== bench optimizer --compare megatron (small shape)" && timeout 150 python3 bin/bench optimizer --compare megatron --layers 4 --hidden 1024 --heads 8 --seq 1024 --iters 5 --warmup 2 2>&1 | tail -12
 
-echo "== megatron-core device check"
-timeout 120 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30
+stage megatron && echo "== megatron-core device check" && timeout 120 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30

@@ -323,6 +323,7 @@ def engine_runs(args: argparse.Namespace, batch) -> None:
     offl["model"].update(cpu_offloading=True, cpu_offloading_num_layers=args.layers - 1)
     if args.device == "cuda":
         offl["optimizer"].update(implementation="megatron", optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,
+                                 use_distributed_optimizer=True,
                                  overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
     losses = {}
     for name, cfg in (("plain", plain), ("offloaded", offl)):

@@ -168,6 +168,14 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
                 inner.param_update_in_fp32 = True
         else:
             inner.load_state_dict(sd)
+        # megatron's HybridDeviceOptimizer loads every state tensor onto the CPU, also those of GPU-stepped
+        # parameters (seen on the H200: fused AdamW then refuses exp_avgs on cpu); put each beside its parameter
+        # (the sub-optimizers hold the parameters that are stepped: fp32 copies on the CPU for offloaded ones)
+        for sub in getattr(inner, "sub_optimizers", None) or [inner]:
+            for p, state in sub.state.items():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != p.device:
+                        state[k] = v.to(p.device)
         # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
         self.param_groups = self.inner.param_groups
 
