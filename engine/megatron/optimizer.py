@@ -172,9 +172,11 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         # parameters (seen on the H200: fused AdamW then refuses exp_avgs on cpu); put each beside its parameter
         # (the sub-optimizers hold the parameters that are stepped: fp32 copies on the CPU for offloaded ones)
         for sub in getattr(inner, "sub_optimizers", None) or [inner]:
+            # fused/capturable torch optimizers keep "step" beside the parameter, the others on the CPU
+            step_follows = bool(sub.defaults.get("fused") or sub.defaults.get("capturable"))
             for p, state in sub.state.items():
                 for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != p.device:
+                    if isinstance(v, torch.Tensor) and v.device != p.device and (k != "step" or step_follows):
                         state[k] = v.to(p.device)
         # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
         self.param_groups = self.inner.param_groups
