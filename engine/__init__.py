@@ -1,8 +1,8 @@
 """offload-engine: a declarative training engine for PyTorch built around CPU offloading.
 
-    import engine
-    eng, optimizer, scheduler = engine.initialize(model=model, config="configs/default.json")
-    loss = eng.train_batch(data_iter)
+import engine
+eng, optimizer, scheduler = engine.initialize(model=model, config="configs/default.json")
+loss = eng.train_batch(data_iter)
 """
 
 from engine.config import Config, ConfigError, load_config

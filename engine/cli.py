@@ -50,8 +50,13 @@ def train(cfg: Config) -> MetricsLog:
     log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
     tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
     save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
-    bar = tqdm(total=cfg.train.train_iters, initial=eng.iteration, unit="it", dynamic_ncols=True,
-               disable=not (cfg.logging.progress_bar and dist.is_main()))  # rank 0 only
+    bar = tqdm(
+        total=cfg.train.train_iters,
+        initial=eng.iteration,
+        unit="it",
+        dynamic_ncols=True,
+        disable=not (cfg.logging.progress_bar and dist.is_main()),
+    )  # rank 0 only
     try:
         while eng.iteration < cfg.train.train_iters:
             start = time.perf_counter()
@@ -70,8 +75,12 @@ def train(cfg: Config) -> MetricsLog:
             }
             if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
                 log.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                            mem=format_bytes(record["peak_memory_bytes"]), refresh=False)
+            bar.set_postfix(
+                loss=f"{loss:.4f}",
+                tok_s=f"{record['tokens_per_s']:,.0f}",
+                mem=format_bytes(record["peak_memory_bytes"]),
+                refresh=False,
+            )
             bar.update(1)
             if save and every and eng.iteration % every == 0:
                 eng.save_checkpoint(save)

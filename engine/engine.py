@@ -157,8 +157,9 @@ class Engine:
         world_size = self.data_parallel_size if world_size is None else world_size
         d, m = self.config.data, self.config.model
         tokens = load_tokens(d.source, d.path, d.token_dtype, d.max_bytes, m.vocab_size)
-        return TokenBatches(tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed,
-                            rank, world_size)
+        return TokenBatches(
+            tokens, m.seq_length, self.config.train.micro_batch_size, self.config.train.seed, rank, world_size
+        )
 
     def synchronize(self) -> None:
         """Waits until every pending update is in the model's weights (CPU-stepped layers are written back
@@ -191,8 +192,10 @@ class Engine:
             "model": self.module.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_scaler": self.scaler.state_dict(),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "rng": {
+                "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
             "data": dist.data_state(self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None),
             "client_state": client_state or {},
         }
@@ -223,8 +226,13 @@ def _apply_activation_offloading(model: nn.Module, m: Any) -> Any:
 
     if m.cpu_offloading:
         return offload.apply_activation_offloading(
-            model, m.cpu_offloading_num_layers, m.cpu_offloading_activations, m.cpu_offloading_weights,
-            m.cpu_offloading_double_buffering, m.cpu_offloading_layers_path)
+            model,
+            m.cpu_offloading_num_layers,
+            m.cpu_offloading_activations,
+            m.cpu_offloading_weights,
+            m.cpu_offloading_double_buffering,
+            m.cpu_offloading_layers_path,
+        )
     if m.fine_grained_activation_offloading:
         return offload.apply_fine_grained_offloading(model, m.offload_modules, m.cpu_offloading_layers_path)
     return None
@@ -268,8 +276,19 @@ def initialize(
         raise ValueError("optimizer.use_distributed_optimizer=true shards its own optimizer; pass optimizer=None")
     elif cfg.optimizer.optimizer_cpu_offload:
         raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
+    elif cfg.train.params_dtype == "half":
+        raise ValueError(
+            'train.params_dtype="half" keeps fp32 master weights in the engine\'s optimizer; '
+            'pass optimizer=None or set train.params_dtype="fp32"'
+        )
     o = cfg.optimizer
-    scheduler = WarmupDecayLR(optimizer, lr=o.lr, min_lr=o.min_lr, warmup_iters=o.lr_warmup_iters,
-                              decay_iters=o.lr_decay_iters or cfg.train.train_iters, style=o.lr_decay_style)
+    scheduler = WarmupDecayLR(
+        optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_iters=o.lr_warmup_iters,
+        decay_iters=o.lr_decay_iters or cfg.train.train_iters,
+        style=o.lr_decay_style,
+    )
     eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader, world)
     return eng, optimizer, scheduler

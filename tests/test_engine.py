@@ -166,3 +166,14 @@ def test_schedule_warmup_then_decay():
         eng.train_batch()
     assert seen[:3] == pytest.approx([5e-4, 1e-3, 1e-4 + 0.9e-3 * 0.5])
     assert seen[3:] == pytest.approx([1e-4, 1e-4])
+
+
+def test_user_optimizer_cannot_take_half_weights():
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match='train.params_dtype="half" keeps fp32 master weights'):
+        engine.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            config=TINY,
+            overrides=["train.params_dtype=half", "train.precision=bf16"],
+        )

@@ -10,8 +10,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_trains_on_cuda_in_bf16_autocast():
-    eng, _, _ = engine.initialize(config=TINY, overrides=["train.device=cuda", "train.precision=bf16",
-                                                          "train.train_iters=30", "optimizer.lr=3e-3"])
+    eng, _, _ = engine.initialize(
+        config=TINY,
+        overrides=["train.device=cuda", "train.precision=bf16", "train.train_iters=30", "optimizer.lr=3e-3"],
+    )
     assert eng.device.type == "cuda"
     losses = [eng.train_batch() for _ in range(30)]
     assert losses[-1] < 0.8 * losses[0]

@@ -321,8 +321,15 @@ def test_initialize_builds_and_trains_the_megatron_gpt():
     import engine
     from tests.test_engine import TINY
 
-    eng, _, _ = engine.initialize(config=TINY, overrides=["model.implementation=megatron", "optimizer.lr=3e-3",
-                                                          "optimizer.lr_decay_style=constant", "train.train_iters=12"])
+    eng, _, _ = engine.initialize(
+        config=TINY,
+        overrides=[
+            "model.implementation=megatron",
+            "optimizer.lr=3e-3",
+            "optimizer.lr_decay_style=constant",
+            "train.train_iters=12",
+        ],
+    )
     assert type(eng.module).__name__ == "MegatronGPT"
     losses = [eng.train_batch() for _ in range(12)]
     assert losses[-1] < 0.85 * losses[0]
