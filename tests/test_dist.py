@@ -97,7 +97,7 @@ def worker(out: Path) -> None:
     DistributedOptimizer.ddp_comm_hook = real_hook
     opt = eng.optimizer
     results["owned_numel"] = sum(p.numel() for p in opt.owned)
-    results["inner_state_numel"] = sum(s["exp_avg"].numel() for s in opt.inner.state.values())
+    results["inner_state_numel"] = sum(s["exp_avg"].numel() for s in opt.inner.state_dict()["state"].values())
     results["grad_norm"] = float(eng.last_grad_norm)
     torch.save(eng.module.state_dict(), out / f"weights_rank{dist.rank()}.pt")
     _, results["resumed_from_1rank"] = train(SHARDED, ITERS - HALF, load=out / "ckpt_1rank")
@@ -241,18 +241,20 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(job, reference):
 
 
 def test_sharded_checkpoint_has_the_unsharded_format_and_values(job):
-    """The gathered optimizer state is what torch's AdamW over every parameter saves, element-wise."""
+    """The gathered optimizer state is what the engine's optimizer over every parameter saves, element-wise."""
     out, _ = job
     sharded, plain = checkpoint.load(out / "ckpt_2ranks"), checkpoint.load(out / "ckpt_1rank")
     assert sharded["data"] == {"index": HALF * 2, "data_parallel_size": 2}
     assert plain["data"] == {"index": HALF * 4, "data_parallel_size": 1}
     a, b = sharded["optimizer"], plain["optimizer"]
-    assert [g["param_names"] for g in a["param_groups"]] == [g["param_names"] for g in b["param_groups"]]
+    assert a["format"] == b["format"]
     assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
     assert a["state"].keys() == b["state"].keys()
     for k in b["state"]:
-        for field in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(a["state"][k][field], b["state"][k][field], rtol=1e-5, atol=1e-7)
+        assert a["state"][k]["step"] == b["state"][k]["step"]
+        for field in ("master", "exp_avg", "exp_avg_sq"):
+            # atol 1e-6: a sum of two ranks' gradients rounds differently from one rank's sum (seen: 2e-7)
+            torch.testing.assert_close(a["state"][k][field], b["state"][k][field], rtol=1e-5, atol=1e-6)
 
 
 def failing(failing_rank: int) -> None:
