@@ -25,15 +25,11 @@ def bin_train(*args, cwd=None):
 
 def test_short_run_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
+    small = ["train.device=cpu", "optimizer.lr_warmup_iters=0", f"logging.metrics_file={metrics}", "model.num_layers=1",
+             "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536"]  # fmt: skip
     proc = bin_train(
         "train.train_iters=3",
-        "train.device=cpu",
-        "optimizer.lr_warmup_iters=0",
-        f"logging.metrics_file={metrics}",
-        "model.num_layers=1",
-        "model.hidden_size=32",
-        "model.seq_length=32",
-        "data.max_bytes=65536",
+        *small,
         f"checkpoint.save={tmp_path / 'ckpt'}",
     )
     assert proc.returncode == 0, proc.stderr
@@ -56,13 +52,7 @@ def test_short_run_writes_metrics(tmp_path):
     # resuming from the checkpoint with a longer run continues at iteration 4
     proc = bin_train(
         "train.train_iters=4",
-        "train.device=cpu",
-        "optimizer.lr_warmup_iters=0",
-        f"logging.metrics_file={metrics}",
-        "model.num_layers=1",
-        "model.hidden_size=32",
-        "model.seq_length=32",
-        "data.max_bytes=65536",
+        *small,
         f"checkpoint.load={tmp_path / 'ckpt'}",
     )
     assert proc.returncode == 0, proc.stderr
