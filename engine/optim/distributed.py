@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from engine.optim.hybrid import clear_grads
+
 _NOT_HYPER = ("params", "param_names")
 
 
@@ -134,12 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)  # the inner optimizer's own bookkeeping
-        for p in self.params_by_name.values():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        clear_grads(self.params_by_name.values(), set_to_none)
 
     def step(self, closure: Any = None) -> None:  # noqa: D102 - torch.optim API: clip_and_step without clipping
         if closure is not None:

@@ -55,6 +55,16 @@ def default_cpu_threads() -> int:
     return max(1, n - 1)
 
 
+def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    """torch.optim's zero_grad over `params`: drop each gradient, or zero it in place."""
+    for p in params:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+
 def _named_groups(params) -> list[dict]:
     """Normalise named_parameters() or groups of (name, p) pairs into groups of named pairs."""
     params = list(params)
@@ -206,12 +216,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu_norms.clear()
         if self.cpu is not None:
             self.cpu.discard()
-        for p in self.params_by_name.values():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        clear_grads(self.params_by_name.values(), set_to_none)
 
     # ---------------------------------------------------------------- step
     def step(self, closure=None):  # noqa: D102 - torch.optim API; clip_and_step without clipping
