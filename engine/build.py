@@ -72,4 +72,5 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
         use_torch_optimizer_for_cpu_offload=offload and o.use_torch_optimizer_for_cpu_offload,
         cpu_threads=o.cpu_optimizer_threads,
         accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
+        gpu_assist=o.cpu_offload_gpu_assist,
     )

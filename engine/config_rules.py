@@ -182,6 +182,7 @@ def _fine_grained_needs_modules(c: SimpleNamespace, dp: int) -> Iterator[Problem
     "optimizer.cpu_optimizer_threads",
     "optimizer.use_torch_optimizer_for_cpu_offload",
     "optimizer.delayed_param_update",
+    "optimizer.cpu_offload_gpu_assist",
 )
 def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     # megatron-core's builder picks its own CPU optimizer and threads: these would be silently ignored there
@@ -192,6 +193,7 @@ def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem
         ("cpu_optimizer_threads", o.cpu_optimizer_threads is None),
         ("use_torch_optimizer_for_cpu_offload", not o.use_torch_optimizer_for_cpu_offload),
         ("delayed_param_update", not o.delayed_param_update),
+        ("cpu_offload_gpu_assist", not o.cpu_offload_gpu_assist),
     ):
         if not unset:
             yield Problem(
@@ -199,6 +201,30 @@ def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem
                 "applies only to optimizer.implementation='engine' (megatron-core's HybridDeviceOptimizer "
                 f"does not read it); unset optimizer.{key} or use optimizer.implementation='engine'",
             )
+
+
+@_rule(
+    "optimizer.cpu_offload_gpu_assist",
+    "optimizer.optimizer_cpu_offload",
+    "optimizer.optimizer",
+    "optimizer.use_torch_optimizer_for_cpu_offload",
+)
+def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    o = c.optimizer
+    if not o.cpu_offload_gpu_assist:
+        return
+    if not o.optimizer_cpu_offload:
+        yield Problem(
+            "optimizer.cpu_offload_gpu_assist",
+            "assists the CPU-stepped part, which exists only with optimizer.optimizer_cpu_offload=true; "
+            "set it, or set optimizer.cpu_offload_gpu_assist=false",
+        )
+    elif o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
+        yield Problem(
+            "optimizer.cpu_offload_gpu_assist",
+            "works with the engine's own AdamW only (optimizer.optimizer='adam', "
+            "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false",
+        )
 
 
 @_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")

@@ -383,6 +383,16 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"optimizer\.cpu_optimizer_threads=4: applies only to optimizer\.implementation='engine'"),
         (["optimizer.implementation=megatron", "optimizer.use_torch_optimizer_for_cpu_offload=true"], 1,
          r"optimizer\.use_torch_optimizer_for_cpu_offload=true: applies only to"),
+        (["optimizer.implementation=megatron", "optimizer.cpu_offload_gpu_assist=true",
+          "optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1,
+         r"optimizer\.cpu_offload_gpu_assist=true: applies only to optimizer\.implementation='engine'"),
+    ],
+    "_gpu_assist_needs_engine_adam_offload": [
+        (["optimizer.cpu_offload_gpu_assist=true"], 1,
+         r"optimizer\.cpu_offload_gpu_assist=true: assists the CPU-stepped part, which exists only with"),
+        (["optimizer.cpu_offload_gpu_assist=true", "optimizer.optimizer_cpu_offload=true",
+          "optimizer.use_distributed_optimizer=true", "optimizer.optimizer=sgd"], 1,
+         r"optimizer\.cpu_offload_gpu_assist=true: works with the engine's own AdamW only"),
     ],
     "_layers_path_needs_offloading": [
         (["model.cpu_offloading_layers_path=layers"], 1,

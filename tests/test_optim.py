@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+import time
 
 import pytest
 import torch
@@ -286,3 +287,55 @@ def test_clipped_steps_do_not_commit_a_guess():
     clipped, opt = run_hybrid(tiny_gpt(), data, max_norm=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True)
     assert opt.cpu.timing["speculated"] == 0
     assert max_rel_err(clipped, run_reference(tiny_gpt(), data, max_norm=1e-3)) <= 1e-6
+
+
+def _slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
+    """Slow the CPU threads' step and count the assist's units, so the GPU assist certainly takes some."""
+    from engine.optim import cpu_side, gpu_assist
+
+    step_fused, step_unit = cpu_side.CpuPart._step_fused, gpu_assist.GpuAssist.step_unit
+
+    def slow(self, *a, **kw):
+        time.sleep(0.02)
+        return step_fused(self, *a, **kw)
+
+    def counted(self, *a, **kw):
+        counter.append(1)
+        return step_unit(self, *a, **kw)
+
+    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
+    monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", counted)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_gpu_assist_parity(reference, fraction, overlap, monkeypatch):
+    """Units shared between the CPU threads and the assist (torch's fused AdamW on staged copies):
+    the same 20 clipped, accumulated, scheduled steps as torch's AdamW, to 1e-6."""
+    assisted: list[int] = []
+    _slow_cpu_threads(monkeypatch, assisted)
+    model, data, ref = reference
+    ours, opt = run_hybrid(copy.deepcopy(model), data, max_norm=0.5, offload_fraction=fraction,
+                           overlap_cpu_optimizer_d2h_h2d=overlap, cpu_threads=2, gpu_assist=True)  # fmt: skip
+    assert len(assisted) > 0 and opt.cpu.assist is not None
+    assert max_rel_err(ours, ref) <= 1e-6
+    state = opt.state_dict()["state"]  # the host states the assist wrote back are the masters of the model
+    for n, p in ours.named_parameters():
+        assert torch.equal(state[n]["master"], p.detach()), n
+
+
+def test_gpu_assist_with_speculation(monkeypatch):
+    """Unclipped with overlap: committed guesses from the CPU and assisted units in one step, exact."""
+    assisted: list[int] = []
+    _slow_cpu_threads(monkeypatch, assisted)
+    data = batches(6, micro=2)
+    ours, opt = run_hybrid(tiny_gpt(), data, max_norm=0.0, offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True,
+                           gpu_assist=True)  # fmt: skip
+    assert len(assisted) > 0
+    assert max_rel_err(ours, run_reference(tiny_gpt(), data, max_norm=0.0)) <= 1e-6
+
+
+def test_gpu_assist_needs_the_engine_adamw():
+    with pytest.raises(ValueError, match="gpu_assist=True works with the engine's own AdamW only"):
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
+                              gpu_assist=True)._build()  # fmt: skip

@@ -100,3 +100,18 @@ def test_peak_gpu_memory_falls_with_fraction():
         del model, opt
         torch.cuda.empty_cache()
     assert peaks[0] > peaks[1] > peaks[2], peaks
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 0.0])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_cuda_gpu_assist_parity(fraction, max_norm):
+    """The GPU assist (host states staged through the GPU's fused AdamW) next to the CPU threads:
+    clipped and unclipped (speculation committed), to 1e-6 of torch's AdamW; staging is 2 slots."""
+    model, data = tiny_gpt(device="cuda"), batches(20, micro=2, device="cuda")
+    ref = run_reference(model, data, max_norm=max_norm)
+    ours, opt = run_hybrid(copy.deepcopy(model), data, max_norm=max_norm, offload_fraction=fraction,
+                           overlap_cpu_optimizer_d2h_h2d=True, gpu_assist=True)  # fmt: skip
+    assert opt.cpu.assist is not None and opt.cpu.master.flat.is_pinned() and opt.cpu.m.flat.is_pinned()
+    largest = max(p.numel() for n, p in ours.named_parameters() if n in opt.cpu_names)
+    assert opt.cpu.assist.staging_bytes() <= 2 * 18 * largest
+    assert max_rel_err(ours, ref) <= 1e-6

@@ -119,10 +119,13 @@ def cpu_adam(copies):
     half = torch.empty(n, dtype=torch.bfloat16)
     p2, m2, v2 = torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
     sc = (1.0, 1.0, 1 - 1e-5, 0.1, 0.95, 0.05, 0.99, 1e-8, -1e-4)
-    for threads in (15, 16):
+    # the kernel as built by default, and with gcc's default (256-bit) vector width on AVX-512 machines
+    flags256 = [f for f in fused_kernel._FLAGS if not f.startswith("-mprefer-vector-width")]
+    variants = {"default": lib, "w256": fused_kernel.bind(fused_kernel.build(flags256))}
+    for (vname, vlib), threads in [(v, t) for v in variants.items() for t in (15, 16)]:
         pool = ThreadPoolExecutor(threads)
         chunk = (n + threads - 1) // threads
-        for oop in (False, True):
+        for oop, stream in ((False, False), (False, True), (True, False), (True, True)):
             for busy in (False, True):
                 th = None
                 if busy:
@@ -135,7 +138,19 @@ def cpu_adam(copies):
                     t = time.perf_counter()
                     futs = [
                         pool.submit(
-                            fused_kernel.adamw_slice, lib, s, min(n, s + chunk), p, m, v, gb, None, *outs, half, sc
+                            fused_kernel.adamw_slice,
+                            vlib,
+                            s,
+                            min(n, s + chunk),
+                            p,
+                            m,
+                            v,
+                            gb,
+                            None,
+                            *outs,
+                            half,
+                            sc,
+                            stream,
                         )
                         for s in range(0, n, chunk)
                     ]
@@ -147,7 +162,7 @@ def cpu_adam(copies):
                     th.join()
                 where = "out-of-place" if oop else "in-place    "
                 print(
-                    f"our fused C AdamW bf16 grad+bf16 out threads={threads} {where} "
+                    f"our fused C AdamW ({vname}) bf16 grad+bf16 out threads={threads} {where} stream={stream:d} "
                     f"copies={'on ' if busy else 'off'}: {n / min(ts[1:]) / 1e9:.2f} G params/s"
                 )
         pool.shutdown()
@@ -174,5 +189,6 @@ def model_time():
 if __name__ == "__main__":
     print("cores:", os.cpu_count(), "affinity:", len(os.sched_getaffinity(0)), "torch", torch.__version__)
     copies = bandwidth()
-    model_time()
+    if "kernel" not in sys.argv[1:]:  # `kernel`: the CPU AdamW rates only
+        model_time()
     cpu_adam(copies)

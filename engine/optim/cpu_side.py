@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,6 +30,7 @@ import torch
 
 from engine.optim import fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
+from engine.optim.gpu_assist import GpuAssist
 from engine.optim.host_buffers import FlatViews
 
 _MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
@@ -46,13 +48,17 @@ class CpuPart:
         threads: int,
         speculate: bool = False,
         hyper_source: Callable[[], list[Hyper]] | None = None,
+        gpu_assist: bool = False,
     ) -> None:
         """entries: (name, param, group index, unit) in forward order.
 
         speculate: step each unit as soon as its gradients are on the host, before the clip factor is
         known, out of place into a second bank of master/m/v buffers; the result is committed (the banks
         swap) only if the step turns out unclipped and unscaled with the same hyperparameters
-        (hyper_source() read at that time), and is otherwise recomputed in place: exact either way."""
+        (hyper_source() read at that time), and is otherwise recomputed in place: exact either way.
+
+        gpu_assist: the GPU steps some units too (gpu_assist.py), taking them from the same queue as
+        the CPU threads once the clip factor is known; their states stay in (then pinned) host memory."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
@@ -71,7 +77,12 @@ class CpuPart:
             raise ValueError(f"CPU-stepped parameters mix half dtypes {sorted(map(str, half))}; use one")
         # fp32 weights travel back from the master itself, so it is the pinned buffer then
         self.half = bool(half)
-        self.master = FlatViews(layout, torch.float32, pin_params and self.cuda and not half)
+        if gpu_assist and (use_torch or kind != "adam"):
+            raise ValueError("gpu_assist=True works with the engine's own AdamW only; set it to False for SGD or "
+                             "use_torch_optimizer_for_cpu_offload=True")  # fmt: skip
+        # the assist copies master, m and v both ways: pinned, or the copies run at pageable speed
+        pin_states = gpu_assist and self.cuda
+        self.master = FlatViews(layout, torch.float32, (pin_params and self.cuda and not half) or pin_states)
         self.upload = FlatViews(layout, half.pop(), pin_params and self.cuda) if half else None
         with torch.no_grad():
             for n, p in self.params.items():
@@ -83,8 +94,8 @@ class CpuPart:
         if self.lib is None and (use_torch or kind != "adam"):
             self._build_inner()
         elif kind == "adam":
-            self.m = FlatViews(layout, torch.float32, False)
-            self.v = FlatViews(layout, torch.float32, False)
+            self.m = FlatViews(layout, torch.float32, pin_states)
+            self.v = FlatViews(layout, torch.float32, pin_states)
             self.m.flat.zero_()
             self.v.flat.zero_()
         # cur[name] = (master, m, v) views in use; alt[name] the other bank, where speculation writes
@@ -94,7 +105,8 @@ class CpuPart:
         self.hyper_source = hyper_source
         self.alt: dict[str, tuple] = {}
         if self.speculate:
-            self.banks2 = [FlatViews(layout, torch.float32, pin_params and self.cuda and not half) for _ in range(3)]
+            pin2 = (pin_params and self.cuda and not half) or pin_states
+            self.banks2 = [FlatViews(layout, torch.float32, pin2) for _ in range(3)]
             self.alt = {n: tuple(b[n] for b in self.banks2) for n in self.params}
         self.spec_ok = True  # speculate this step: the last one was not clipped
         self.q: queue.Queue = queue.Queue()
@@ -117,6 +129,11 @@ class CpuPart:
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream()
             self.h2d_stream = torch.cuda.Stream()
+        self.assist: GpuAssist | None = None
+        if gpu_assist:
+            device = next(iter(self.params.values())).device
+            self.assist = GpuAssist(max(p.numel() for p in self.params.values()), device)
+            self.assist_thread = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-assist")
 
     # ---- torch.optim for the CPU part (use_torch_optimizer_for_cpu_offload, or SGD) ----
     def _build_inner(self) -> None:
@@ -234,29 +251,59 @@ class CpuPart:
                 spec[u] = {n: hypers[self.group_of[n]] for n in names}
             _, shipped, hypers, inv_scale, coef, bwd_done = msg
             t_run = time.perf_counter()
-            for u, names in self.units.items():
-                todo = [n for n in names if n in shipped]
-                if todo:
-                    self._wait_d2h(todo)
-                    guess = spec.get(u)
-                    t = time.perf_counter()
-                    if (guess is not None and coef == 1.0 and inv_scale == 1.0 and set(guess) == set(todo)
-                            and all(guess[n] == hypers[self.group_of[n]] for n in todo)):  # fmt: skip
-                        for n in todo:  # commit: the speculative bank becomes the current one
-                            self.cur[n], self.alt[n] = self.alt[n], self.cur[n]
-                    elif self.inner:
-                        self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
-                    else:
-                        self._step_fused(todo, shipped, hypers, inv_scale, coef, out_of_place=False)
-                    for n in todo:
-                        self.steps[n] += 1
-                    compute += time.perf_counter() - t
-                    self._upload(u, todo, bwd_done)
-                self.ready[u].set()
-            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": len(spec)}
+            # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist
+            queue_ = deque(self.units)
+            lock = threading.Lock()
+
+            def take() -> str | None:
+                with lock:
+                    return queue_.popleft() if queue_ else None
+
+            work = (shipped, hypers, inv_scale, coef, bwd_done, spec)
+            assisted = self.assist_thread.submit(self._work, take, work, True) if self.assist else None
+            compute += self._work(take, work, False)
+            n_assisted = 0
+            if assisted is not None:
+                n_assisted = assisted.result()
+                self.assist.drain()  # host states are final before the next step or a state_dict reads them
+            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": len(spec),
+                           "assisted": n_assisted}  # fmt: skip
         finally:
             for e in self.ready.values():
                 e.set()
+
+    def _work(self, take: Callable[[], str | None], work: tuple, on_gpu: bool) -> float | int:
+        """Step units from `take` until none are left; returns CPU arithmetic seconds, or (on_gpu) units stepped."""
+        shipped, hypers, inv_scale, coef, bwd_done, spec = work
+        compute, assisted = 0.0, 0
+        while (u := take()) is not None:
+            todo = [n for n in self.units[u] if n in shipped]
+            if todo:
+                self._wait_d2h(todo)
+                guess = spec.get(u)
+                t = time.perf_counter()
+                if (guess is not None and coef == 1.0 and inv_scale == 1.0 and set(guess) == set(todo)
+                        and all(guess[n] == hypers[self.group_of[n]] for n in todo)):  # fmt: skip
+                    for n in todo:  # commit: the speculative bank becomes the current one
+                        self.cur[n], self.alt[n] = self.alt[n], self.cur[n]
+                    self._upload(u, todo, bwd_done)
+                elif on_gpu:
+                    self.h2d_event[u] = self.assist.step_unit(
+                        todo, self.cur, shipped, {n: hypers[self.group_of[n]] for n in todo}, self.steps,
+                        self.params, inv_scale, coef, bwd_done,
+                    )  # fmt: skip
+                    assisted += 1
+                else:
+                    if self.inner:
+                        self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
+                    else:
+                        self._step_fused(todo, shipped, hypers, inv_scale, coef, out_of_place=False)
+                    compute += time.perf_counter() - t
+                    self._upload(u, todo, bwd_done)
+                for n in todo:
+                    self.steps[n] += 1
+            self.ready[u].set()
+        return assisted if on_gpu else compute
 
     def _wait_d2h(self, names: list[str]) -> None:
         for n in names:
@@ -371,3 +418,5 @@ class CpuPart:
         self.wait_job()
         self.pool.shutdown(wait=False)
         self.driver.shutdown(wait=False)
+        if self.assist is not None:
+            self.assist_thread.shutdown(wait=False)

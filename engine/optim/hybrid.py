@@ -4,6 +4,7 @@ Composition (each mechanism in its own module):
   partition.py   which parameters the CPU steps (the output end) and their layer units
   gpu_side.py    the rest: fp32 masters and a fused torch optimizer on the GPU
   cpu_side.py    host buffers, gradient D2H, the fused CPU step on worker threads, weight H2D
+  gpu_assist.py  optional (gpu_assist=True): the GPU steps some host-resident units alongside the CPU
 This module owns the bookkeeping between them: gradient accumulation (fp32 where asked),
 the global gradient norm and clipping, LR and hyperparameters from `param_groups`, and the
 device- and fraction-independent state dict.
@@ -103,6 +104,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cpu_threads: int | None = None,
         accumulate_grads_in_fp32: bool = True,
         delayed_param_update: bool = False,
+        gpu_assist: bool = False,
     ) -> None:
         kind = options.choice("optimizer", optimizer, ("adam", "sgd"))
         fraction = options.number_in("offload_fraction", offload_fraction, 0.0, 1.0)
@@ -110,7 +112,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                           ("pin_cpu_grads", pin_cpu_grads), ("pin_cpu_params", pin_cpu_params),
                           ("use_torch_optimizer_for_cpu_offload", use_torch_optimizer_for_cpu_offload),
                           ("accumulate_grads_in_fp32", accumulate_grads_in_fp32),
-                          ("delayed_param_update", delayed_param_update)):  # fmt: skip
+                          ("delayed_param_update", delayed_param_update), ("gpu_assist", gpu_assist)):  # fmt: skip
             options.flag(name, val)
         if delayed_param_update:
             raise NotImplementedError("delayed_param_update=True (a one-step-late CPU update) is not implemented")
@@ -147,7 +149,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 group_of[n] = gi
         self._group_of = group_of
         self._side_options = dict(kind=kind, use_torch=use_torch_optimizer_for_cpu_offload, pin_grads=pin_cpu_grads,
-                                  pin_params=pin_cpu_params, threads=threads)  # fmt: skip
+                                  pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist)  # fmt: skip
         self._order = forward_order(self.names)  # attach_model replaces it with the model's own order
         self.cpu_names = split_for_offload(self._named(), fraction) if fraction > 0 else set()
         self.gpu: GpuPart | None = None  # both sides are built on first use, so attach_model can
