@@ -5,11 +5,19 @@ from __future__ import annotations
 import copy
 import io
 import threading
-import time
 
 import pytest
 import torch
-from test_optim_helpers import HP, batches, groups, max_rel_err, run_hybrid, run_reference, tiny_gpt
+from test_optim_helpers import (
+    HP,
+    batches,
+    groups,
+    max_rel_err,
+    run_hybrid,
+    run_reference,
+    slow_cpu_threads,
+    tiny_gpt,
+)
 
 from engine.models.gpt import gpt_loss
 from engine.optim import HybridDeviceOptimizer, fused_kernel
@@ -289,31 +297,13 @@ def test_clipped_steps_do_not_commit_a_guess():
     assert max_rel_err(clipped, run_reference(tiny_gpt(), data, max_norm=1e-3)) <= 1e-6
 
 
-def _slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
-    """Slow the CPU threads' step and count the assist's units, so the GPU assist certainly takes some."""
-    from engine.optim import cpu_side, gpu_assist
-
-    step_fused, step_unit = cpu_side.CpuPart._step_fused, gpu_assist.GpuAssist.step_unit
-
-    def slow(self, *a, **kw):
-        time.sleep(0.02)
-        return step_fused(self, *a, **kw)
-
-    def counted(self, *a, **kw):
-        counter.append(1)
-        return step_unit(self, *a, **kw)
-
-    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
-    monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", counted)
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_gpu_assist_parity(reference, fraction, overlap, monkeypatch):
     """Units shared between the CPU threads and the assist (torch's fused AdamW on staged copies):
     the same 20 clipped, accumulated, scheduled steps as torch's AdamW, to 1e-6."""
     assisted: list[int] = []
-    _slow_cpu_threads(monkeypatch, assisted)
+    slow_cpu_threads(monkeypatch, assisted)
     model, data, ref = reference
     ours, opt = run_hybrid(copy.deepcopy(model), data, max_norm=0.5, offload_fraction=fraction,
                            overlap_cpu_optimizer_d2h_h2d=overlap, cpu_threads=2, gpu_assist=True)  # fmt: skip
@@ -327,7 +317,7 @@ def test_gpu_assist_parity(reference, fraction, overlap, monkeypatch):
 def test_gpu_assist_with_speculation(monkeypatch):
     """Unclipped with overlap: committed guesses from the CPU and assisted units in one step, exact."""
     assisted: list[int] = []
-    _slow_cpu_threads(monkeypatch, assisted)
+    slow_cpu_threads(monkeypatch, assisted)
     data = batches(6, micro=2)
     ours, opt = run_hybrid(tiny_gpt(), data, max_norm=0.0, offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True,
                            gpu_assist=True)  # fmt: skip

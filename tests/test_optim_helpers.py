@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -92,3 +93,21 @@ def max_rel_err(a: torch.nn.Module, b: torch.nn.Module) -> float:
         err = (pa.detach().float() - pb.detach().float()).abs().max().item()
         worst = max(worst, err / max(pb.detach().float().abs().max().item(), 1e-2))
     return worst
+
+
+def slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
+    """Slow the CPU threads' step and count the assist's units, so the GPU assist certainly takes some."""
+    from engine.optim import cpu_side, gpu_assist
+
+    step_fused, step_unit = cpu_side.CpuPart._step_fused, gpu_assist.GpuAssist.step_unit
+
+    def slow(self, *a, **kw):
+        time.sleep(0.02)
+        return step_fused(self, *a, **kw)
+
+    def counted(self, *a, **kw):
+        counter.append(1)
+        return step_unit(self, *a, **kw)
+
+    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
+    monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", counted)

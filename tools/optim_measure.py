@@ -119,9 +119,9 @@ def cpu_adam(copies):
     half = torch.empty(n, dtype=torch.bfloat16)
     p2, m2, v2 = torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
     sc = (1.0, 1.0, 1 - 1e-5, 0.1, 0.95, 0.05, 0.99, 1e-8, -1e-4)
-    # the kernel as built by default, and with gcc's default (256-bit) vector width on AVX-512 machines
-    flags256 = [f for f in fused_kernel._FLAGS if not f.startswith("-mprefer-vector-width")]
-    variants = {"default": lib, "w256": fused_kernel.bind(fused_kernel.build(flags256))}
+    # the kernel as built by default, and with 512-bit vectors on AVX-512 machines
+    flags512 = [*fused_kernel._FLAGS, "-mprefer-vector-width=512"]
+    variants = {"default": lib, "w512": fused_kernel.bind(fused_kernel.build(flags512))}
     for (vname, vlib), threads in [(v, t) for v in variants.items() for t in (15, 16)]:
         pool = ThreadPoolExecutor(threads)
         chunk = (n + threads - 1) // threads

@@ -24,10 +24,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("csrc") / "fused_adamw.c"
-# -mprefer-vector-width=512: gcc's tuning for AVX-512 server cores keeps to 256-bit vectors; the
-# pass is partly compute-bound (divide, square root, bf16 rounding), and is ignored without AVX-512.
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno", "-shared",
-          "-fPIC"]  # fmt: skip
+# gcc's default 256-bit vectors on AVX-512 cores: -mprefer-vector-width=512 measured no faster on the
+# device (3.56 against 3.67 G params/s in place, 2.94 against 3.42 out of place, 15 threads)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KIND_NONE = 3
 _lock = threading.Lock()

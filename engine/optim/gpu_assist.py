@@ -8,8 +8,8 @@ on the GPU, and master, m and v go back (12 bytes). PCIe carries that at ~3.5-4.
 each direction at once while the CPU threads step other units, so the two together finish the
 CPU-resident part sooner than the CPU alone.
 
-States stay in host memory between steps; the GPU holds only `slots` staging slots of the largest
-tensor: slots x 18 bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).
+States stay in host memory between steps; the GPU holds only 3 staging slots of the largest tensor:
+3 x (16 + 2 or 4) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).
 Units are taken from the same forward-ordered queue as the CPU threads, so each worker takes
 the next layer the forward will need. Without CUDA the same code runs with host tensors and no
 streams (the CPU tests' path).
@@ -18,7 +18,6 @@ streams (the CPU tests' path).
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
@@ -30,17 +29,19 @@ class _Slot:
         self.p, self.m, self.v, self.g32 = (torch.empty(numel, dtype=torch.float32, device=device) for _ in range(4))
         self.g: dict[torch.dtype, torch.Tensor] = {}
         self.step = torch.zeros((), dtype=torch.float32, device=device)
-        self.done: torch.cuda.Event | None = None  # its copies back to the host have been read out of it
+        self.done: torch.cuda.Event | None = None  # its results have been copied out to the host
 
 
 class GpuAssist:
-    def __init__(self, max_numel: int, device: torch.device, slots: int = 2) -> None:
+    def __init__(self, max_numel: int, device: torch.device, slots: int = 3) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.slots = [_Slot(max_numel, device) for _ in range(slots)]
         self.next = 0
+        # copies in on one stream, arithmetic and copies out on another: tensor i+1 comes in while
+        # tensor i goes out, so both PCIe directions carry traffic at once
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.busy_s = 0.0  # host time spent issuing and waiting, last step
+        self.in_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def staging_bytes(self) -> int:
         s = self.slots[0]
@@ -60,41 +61,46 @@ class GpuAssist:
     ) -> torch.cuda.Event | None:
         """AdamW on `names` (one unit): host (master, m, v) in `states`, updated in place; steps[n] is the
         count before this step. Writes the model's weights on the GPU. Returns the event the forward waits on."""
-        t = time.perf_counter()
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-        with ctx, torch.no_grad():
+        on = (lambda s: torch.cuda.stream(s)) if self.cuda else (lambda s: contextlib.nullcontext())
+        with torch.no_grad():
             if bwd_done is not None:
                 self.stream.wait_event(bwd_done)  # the last backward may still read these weights
             for n in names:
                 slot = self.slots[self.next % len(self.slots)]
                 self.next += 1
                 if slot.done is not None:
-                    slot.done.synchronize()  # the slot's previous results have left for the host
+                    # the host waits for the slot's last use to be copied out before refilling it; this also
+                    # keeps the thread at most len(slots) tensors ahead, so it takes a unit only when it can start
+                    slot.done.synchronize()
                 p_h, m_h, v_h = states[n]
                 k = p_h.numel()
                 g_h = grads[n]
                 if g_h.dtype not in slot.g:
                     slot.g[g_h.dtype] = torch.empty(slot.p.numel(), dtype=g_h.dtype, device=self.device)
                 sp, sm, sv, sg, g32 = slot.p[:k], slot.m[:k], slot.v[:k], slot.g[g_h.dtype][:k], slot.g32[:k]
-                for dst, src in ((sp, p_h), (sm, m_h), (sv, v_h), (sg, g_h)):
-                    dst.copy_(src, non_blocking=self.cuda)
-                g32.copy_(sg)
-                if inv_scale != 1.0:
-                    g32.mul_(inv_scale)
-                if coef != 1.0:
-                    g32.mul_(coef)  # the same two fp32 multiplies as the GPU-stepped part
-                h = hypers[n]
-                slot.step.fill_(float(steps[n] + 1))  # the kernel reads the step number; torch.optim adds the 1
-                torch._fused_adamw_([sp], [g32], [sm], [sv], [], [slot.step], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                                    weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)  # fmt: skip
-                p = params[n]
-                p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
-                for dst, src in ((p_h, sp), (m_h, sm), (v_h, sv)):
-                    dst.copy_(src, non_blocking=self.cuda)
-                slot.done = self.stream.record_event() if self.cuda else None
-            ready = self.stream.record_event() if self.cuda else None
-        self.busy_s += time.perf_counter() - t
-        return ready
+                with on(self.in_stream):
+                    for dst, src in ((sp, p_h), (sm, m_h), (sv, v_h), (sg, g_h)):
+                        dst.copy_(src, non_blocking=self.cuda)
+                    arrived = self.in_stream.record_event() if self.cuda else None
+                with on(self.stream):
+                    if arrived is not None:
+                        self.stream.wait_event(arrived)
+                    g32.copy_(sg)
+                    if inv_scale != 1.0:
+                        g32.mul_(inv_scale)
+                    if coef != 1.0:
+                        g32.mul_(coef)  # the same two fp32 multiplies as the GPU-stepped part
+                    h = hypers[n]
+                    slot.step.fill_(float(steps[n] + 1))  # the kernel reads the step number; torch.optim adds the 1
+                    torch._fused_adamw_([sp], [g32], [sm], [sv], [], [slot.step], lr=h.lr, beta1=h.beta1,
+                                        beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
+                                        maximize=False)  # fmt: skip
+                    p = params[n]
+                    p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
+                    for dst, src in ((p_h, sp), (m_h, sm), (v_h, sv)):
+                        dst.copy_(src, non_blocking=self.cuda)
+                    slot.done = self.stream.record_event() if self.cuda else None
+            return self.stream.record_event() if self.cuda else None
 
     def drain(self) -> None:
         """Wait until every result is back in host memory (before anything reads or writes the host states)."""
