@@ -172,8 +172,12 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         # parameters (seen on the H200: fused AdamW then refuses exp_avgs on cpu); put each beside its parameter
         # (the sub-optimizers hold the parameters that are stepped: fp32 copies on the CPU for offloaded ones)
         for sub in getattr(inner, "sub_optimizers", None) or [inner]:
-            # fused/capturable torch optimizers keep "step" beside the parameter, the others on the CPU
-            step_follows = bool(sub.defaults.get("fused") or sub.defaults.get("capturable"))
+            # fused/capturable torch optimizers keep "step" beside the parameter, the others on the CPU. The flag
+            # can sit in the sub-optimizer's defaults or its groups, and megatron-core copies the wrapper's group
+            # settings (from the checkpoint) into the sub-optimizers at every step (seen on 0.19.2: a fused GPU
+            # sub-optimizer then found "step" on the CPU), so every place is asked.
+            groups = [sub.defaults, *sub.param_groups, *inner.param_groups]
+            step_follows = any(g.get("fused") or g.get("capturable") for g in groups)
             for p, state in sub.state.items():
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.device != p.device and (k != "step" or step_follows):
