@@ -12,7 +12,8 @@ States stay in host memory between steps; the GPU holds only 3 staging slots of 
 3 x (16 + 2 or 4) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).
 Units are taken from the same forward-ordered queue as the CPU threads, so each worker takes
 the next layer the forward will need. Without CUDA the same code runs with host tensors and no
-streams (the CPU tests' path).
+streams (the CPU tests' path), and with torch's single-tensor AdamW arithmetic instead of the fused
+kernel, as gpu_side.py does, so CPU tests compare bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 
 import torch
 
-from engine.optim.adam_math import Hyper
+from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
 
 
 class _Slot:
@@ -91,10 +92,13 @@ class GpuAssist:
                     if coef != 1.0:
                         g32.mul_(coef)  # the same two fp32 multiplies as the GPU-stepped part
                     h = hypers[n]
-                    slot.step.fill_(float(steps[n] + 1))  # the kernel reads the step number; torch.optim adds the 1
-                    torch._fused_adamw_([sp], [g32], [sm], [sv], [], [slot.step], lr=h.lr, beta1=h.beta1,
-                                        beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
-                                        maximize=False)  # fmt: skip
+                    if self.cuda:
+                        slot.step.fill_(float(steps[n] + 1))  # the kernel reads the step number; torch.optim adds 1
+                        torch._fused_adamw_([sp], [g32], [sm], [sv], [], [slot.step], lr=h.lr, beta1=h.beta1,
+                                            beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
+                                            maximize=False)  # fmt: skip
+                    else:  # torch's single-tensor arithmetic, as the CPU threads do: CPU tests compare bit for bit
+                        adamw_torch_(sp, sm, sv, g32, None, adamw_scalars(h, steps[n] + 1, 1.0, 1.0))
                     p = params[n]
                     p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
                     for dst, src in ((p_h, sp), (m_h, sm), (v_h, sv)):
