@@ -17,7 +17,7 @@ def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
         from engine import megatron
 
         return megatron.build_gpt(m, device=device, seed=seed)
-    return GPT(
+    gpt = GPT(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -27,6 +27,14 @@ def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
         init_method_std=m.init_method_std,
         recompute_granularity=m.recompute_granularity,
     )
+    if m.use_te:
+        from engine.megatron.te import build_te_layers
+
+        # after GPT's own init, which would overwrite TE's (TE initialises its weights when it builds them)
+        gpt.layers = build_te_layers(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                                     num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+                                     init_method_std=m.init_method_std, device=device)  # fmt: skip
+    return gpt
 
 
 def named_parameter_groups(

@@ -238,6 +238,24 @@ def _layers_path_needs_offloading(c: SimpleNamespace, dp: int) -> Iterator[Probl
         )
 
 
+@_rule("model.use_te", "model.implementation", "model.recompute_granularity", "train.device")
+def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    m = c.model
+    if not m.use_te:
+        return
+    from engine.megatron.availability import TE_HINT, _hint, te_available
+
+    if not te_available():
+        yield Problem("model.use_te", f"needs Transformer Engine: {_hint('transformer_engine.pytorch', TE_HINT)}, "
+                                      "or set model.use_te=false")  # fmt: skip
+    elif c.train.device == "cpu":
+        yield Problem("model.use_te", 'Transformer Engine layers run on CUDA only; set train.device="auto" or '
+                                      '"cuda", or model.use_te=false')  # fmt: skip
+    if m.implementation == "builtin" and m.recompute_granularity == "selective":
+        yield Problem("model.recompute_granularity", 'the built-in GPT\'s selective recompute is not built for '
+                      'Transformer Engine layers; set model.recompute_granularity="full" or null')  # fmt: skip
+
+
 @_rule("optimizer.lr_warmup_iters", "train.train_iters")
 def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     if c.optimizer.lr_warmup_iters > c.train.train_iters:
@@ -265,7 +283,6 @@ class NotBuilt:
 
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("model.use_te", lambda v, dp: v, "the Transformer Engine GPT", 7, "set model.use_te=false"),
     NotBuilt("model.cuda_graph_impl", lambda v, dp: v != "none", "CUDA graphs are not supported", None,
              'set model.cuda_graph_impl="none"'),
     NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,

@@ -398,6 +398,11 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["model.cpu_offloading_layers_path=layers"], 1,
          r"model\.cpu_offloading_layers_path=\"layers\": is read only by activation offloading"),
     ],
+    "_use_te": [
+        (["model.use_te=true", "model.recompute_granularity=selective"], 1,
+         r"model\.recompute_granularity=\"selective\": the built-in GPT's selective recompute is not built for "
+         r"Transformer Engine layers"),
+    ],
     "_warmup_within_training": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
@@ -468,7 +473,6 @@ def test_several_rules_fire_together():
 
 # path -> (overrides that need the mechanism, data-parallel size); every NOT_BUILT row needs an example.
 NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
-    "model.use_te": (["model.use_te=true"], 1),
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
     "optimizer.delayed_param_update": (["optimizer.delayed_param_update=true"], 1),
@@ -544,3 +548,25 @@ def test_write_without_markers_fails(tmp_path, capsys):
     assert main(["--write", str(readme)]) == 2
     assert "config-reference:start" in capsys.readouterr().err
     assert readme.read_text() == "# no markers\n"
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_use_te_needs_transformer_engine_and_cuda(monkeypatch, installed):
+    from engine.megatron import availability
+
+    monkeypatch.setattr(availability, "te_available", lambda: installed)
+    monkeypatch.setattr(availability, "_import_error", lambda module: "absent")
+    errors = errors_of(["model.use_te=true", "train.device=cpu"])
+    if installed:
+        assert any(
+            re.fullmatch(
+                r"model\.use_te=true: Transformer Engine layers run on CUDA only; set train\.device="
+                r'"auto" or "cuda", or model\.use_te=false',
+                e,
+            )
+            for e in errors
+        ), errors
+        assert not errors_of(["model.use_te=true", "train.device=auto"])
+    else:
+        want = "model.use_te=true: needs Transformer Engine: pip install -e '.[te]', or set model.use_te=false"
+        assert want in errors

@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bin/train --env | tee "$OUT/env.txt"
 
-STAGES=${STAGES:-"tests parity bench megatron"}
+STAGES=${STAGES:-"tests parity bench megatron"}  # "te" too, after: source tools/te_device_setup.sh
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 
 stage tests && echo "== GPU tests" && timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
@@ -36,6 +36,10 @@ OFF="model.cpu_offloading=true model.cpu_offloading_num_layers=6 optimizer.optim
 stage parity && parity builtin-fp32 $SHAPE train.precision=fp32
 stage parity && parity builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half
 stage parity && parity megatron-fp32 $SHAPE model.implementation=megatron train.precision=fp32
+stage te && echo "== Transformer Engine: tests/test_te_gpu.py, then bin/train parity with TE layers" &&
+  NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_te_gpu.py 2>&1 | tee "$OUT/te_tests.log" | tail -8
+stage te && parity te-builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half model.use_te=true
+stage te && parity te-megatron-bf16 $SHAPE model.implementation=megatron model.use_te=true train.precision=bf16
 stage bench && echo "== bench optimizer --compare megatron (small shape)" && timeout 150 python3 bin/bench optimizer --compare megatron --layers 4 --hidden 1024 --heads 8 --seq 1024 --iters 5 --warmup 2 2>&1 | tail -12
 
 stage megatron && echo "== megatron-core device check" && timeout 120 python3 tools/megatron_device_check.py 2>&1 | tee "$OUT/megatron_check.log" | grep -E "PASS|FAIL|SKIP|loss|Error" | tail -30
