@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install Transformer Engine 2.20.2 on the device (no network there) from what travels in carry:
-#   .whl/  transformer_engine-2.20.2 (the meta package), pydantic and its needs, megatron-core
-#   .te/   te_cu13_sm90.tar.xz: the transformer_engine_cu13 wheel's files, its core library's cubins for
+#   .te/   transformer_engine-2.20.2 (the meta package), pydantic and its needs as wheels;
+#          te_cu13_sm90.tar.xz: the transformer_engine_cu13 wheel's files, its core library's cubins for
 #          every architecture but sm_90 zeroed (tools/fatbin_keep_arch.py: 276 MB wheel -> 27 MB), and
 #          transformer_engine_torch-2.20.2.tar.gz, the sdist of TE's torch extension, built here against
 #          the device's torch.
@@ -10,7 +10,7 @@ set -o pipefail
 SITE=/tmp/site
 mkdir -p "$SITE"
 t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .te/*.whl
 tar xJf .te/te_cu13_sm90.tar.xz -C "$SITE"
 export PYTHONPATH=$SITE:$PWD
 if ! ls "$SITE"/transformer_engine_torch*.so >/dev/null 2>&1; then
