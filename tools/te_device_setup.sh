@@ -28,6 +28,9 @@ if ! ls .te/transformer_engine_torch-*.whl >/dev/null 2>&1; then
      > /tmp/te_build.log 2>&1) || { echo "TE extension build FAILED after $(( $(date +%s) - t0 )) s"; tail -40 /tmp/te_build.log; return 1 2>/dev/null || exit 1; }
   [ -n "$OUT" ] && cp .te/transformer_engine_torch-*.whl /tmp/te_build.log "$OUT"/
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .te/transformer_engine_torch-*.whl
+# its wheel puts the .so under transformer_engine/: install aside and merge, as --target --upgrade would
+# replace the whole transformer_engine folder
+rm -rf /tmp/te_ext && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/te_ext \
+  .te/transformer_engine_torch-*.whl && cp -r /tmp/te_ext/. "$SITE"/
 echo "TE installed in $(( $(date +%s) - t0 )) s"
 python3 -c "import transformer_engine.pytorch as te, transformer_engine; print('transformer_engine', transformer_engine.__version__, 'imports')" 2>&1 | tail -3
