@@ -122,6 +122,17 @@ def layer_spec(use_te: bool, core_attention: str, device: torch.device) -> Any:
     return spec
 
 
+def _with_torch_final_norm(spec: Any, num_layers: int) -> Any:
+    """The whole block's spec, so the final norm is torch's too: given a layer's spec, megatron-core picks the
+    final norm itself, TE's whenever TE imports, and TE's norm runs on CUDA only (the local spec on CPU fails)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    blocks = TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=WrappedTorchNorm)
+    return ModuleSpec(module=TransformerBlock, submodules=blocks)
+
+
 def build_gpt(
     model_cfg: Any,
     *,
@@ -151,9 +162,12 @@ def build_gpt(
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(model_cfg, **config_overrides)
+    spec = layer_spec(use_te, core_attention, dev)
+    if not use_te:
+        spec = _with_torch_final_norm(spec, model_cfg.num_layers)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te, core_attention, dev),
+        transformer_layer_spec=spec,
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.seq_length,
         share_embeddings_and_output_weights=False,

@@ -24,6 +24,8 @@ from torch import nn
 
 from engine.megatron.availability import require
 
+_GROUP_STEPS = "engine_sub_optimizer_group_steps"  # key of our state dict beside megatron's own
+
 HDO_NEEDS_CUDA = (
     "optimizer.implementation='megatron' with optimizer.optimizer_cpu_offload=true needs CUDA: megatron-core's "
     "HybridDeviceOptimizer moves parameters between CUDA and pinned host memory on CUDA streams; "
@@ -149,11 +151,20 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
             for k, v in g.items():
                 if isinstance(v, type):
                     g[k] = f"{v.__module__}.{v.__qualname__}"
+        # TE's and Apex's FusedAdam count steps in their groups ("step"), not per parameter, and megatron's
+        # HybridDeviceOptimizer saves only its own groups: without this a load restarts their bias correction
+        steps = [[g.get("step") for g in sub.param_groups] for sub in self._subs()]
+        if any(st is not None for sub in steps for st in sub):
+            sd[_GROUP_STEPS] = steps
         return sd
+
+    def _subs(self) -> list[torch.optim.Optimizer]:
+        return list(getattr(self.inner, "sub_optimizers", None) or [self.inner])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into `inner`, putting back the live classes `state_dict` wrote as names."""
         sd = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
+        group_steps = sd.pop(_GROUP_STEPS, None)
         for saved, live in zip(sd["param_groups"], self.inner.param_groups, strict=True):
             saved.update({k: v for k, v in live.items() if isinstance(v, type)})
         inner = self.inner
@@ -171,7 +182,7 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         # megatron's HybridDeviceOptimizer loads every state tensor onto the CPU, also those of GPU-stepped
         # parameters (seen on the H200: fused AdamW then refuses exp_avgs on cpu); put each beside its parameter
         # (the sub-optimizers hold the parameters that are stepped: fp32 copies on the CPU for offloaded ones)
-        for sub in getattr(inner, "sub_optimizers", None) or [inner]:
+        for sub in self._subs():
             # fused/capturable torch optimizers keep "step" beside the parameter, the others on the CPU. The flag
             # can sit in the sub-optimizer's defaults or its groups, and megatron-core copies the wrapper's group
             # settings (from the checkpoint) into the sub-optimizers at every step (seen on 0.19.2: a fused GPU
@@ -182,6 +193,11 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.device != p.device and (k != "step" or step_follows):
                         state[k] = v.to(p.device)
+        if group_steps is not None:
+            for sub, steps in zip(self._subs(), group_steps, strict=True):
+                for g, step in zip(sub.param_groups, steps, strict=True):
+                    if step is not None:  # a fresh FusedAdam has no "step" until its first step
+                        g["step"] = step
         # torch's load builds new group dicts: share them again so the LR schedule keeps reaching inner
         self.param_groups = self.inner.param_groups
 
