@@ -65,11 +65,15 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
     if cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: megatron-core's builder here takes adam or sgd")
     if not cfg.optimizer_cpu_offload:
+        # with TE or Apex installed megatron's Adam and SGD are their fused CUDA kernels, which given host
+        # tensors write through host pointers (seen on the H200: an illegal memory access); torch's on CPU
+        torch_only = mopt.USING_PYTORCH_OPTIMIZER or any(p.device.type != "cuda" for g in groups for p in g["params"])
         if cfg.optimizer == "sgd":
-            return mopt.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
+            sgd = torch.optim.SGD if torch_only else mopt.SGD
+            return sgd(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
         betas = (cfg.adam_beta1, cfg.adam_beta2)
         kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, eps=cfg.adam_eps)
-        if mopt.USING_PYTORCH_OPTIMIZER:
+        if torch_only:
             return torch.optim.AdamW(groups, **kwargs)
         return mopt.Adam(groups, adam_w_mode=True, **kwargs)  # TE / Apex FusedAdam in AdamW mode
     if not torch.cuda.is_available() or any(p.device.type != "cuda" for g in groups for p in g["params"]):
