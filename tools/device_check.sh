@@ -41,9 +41,7 @@ stage te && echo "== Transformer Engine: tests/test_te_gpu.py, then bin/train pa
 stage te && export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0  # cuDNN attention backward without atomics: runs comparable
 stage te && parity te-builtin-bf16-half $SHAPE train.precision=bf16 train.params_dtype=half model.use_te=true
 stage te && parity te-megatron-bf16 $SHAPE model.implementation=megatron model.use_te=true train.precision=bf16
-# the same with 20 warmup iterations (no loss spike to amplify rounding), and activation offloading alone (exact)
-stage te && parity te-builtin-bf16-half-warmup $SHAPE train.precision=bf16 train.params_dtype=half model.use_te=true optimizer.lr_warmup_iters=20
-stage te && parity te-megatron-bf16-warmup $SHAPE model.implementation=megatron model.use_te=true train.precision=bf16 optimizer.lr_warmup_iters=20
+# activation offloading alone: exact, so any delta above comes from the optimizer's rounding, amplified
 stage te && OFF="model.cpu_offloading=true model.cpu_offloading_num_layers=6" parity te-builtin-act-only $SHAPE train.precision=bf16 train.params_dtype=half model.use_te=true
 stage bench && echo "== bench optimizer --compare megatron (small shape)" && timeout 150 python3 bin/bench optimizer --compare megatron --layers 4 --hidden 1024 --heads 8 --seq 1024 --iters 5 --warmup 2 2>&1 | tail -12
 
