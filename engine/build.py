@@ -17,7 +17,14 @@ def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
         from engine import megatron
 
         return megatron.build_gpt(m, device=device, seed=seed)
-    gpt = GPT(
+    layers = None
+    if m.use_te:
+        from engine.megatron.te import build_te_layers
+
+        layers = build_te_layers(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                                 num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+                                 init_method_std=m.init_method_std, device=device)  # fmt: skip
+    return GPT(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -26,15 +33,8 @@ def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
         ffn_hidden_size=m.ffn_hidden_size,
         init_method_std=m.init_method_std,
         recompute_granularity=m.recompute_granularity,
+        layers=layers,
     )
-    if m.use_te:
-        from engine.megatron.te import build_te_layers
-
-        # after GPT's own init, which would overwrite TE's (TE initialises its weights when it builds them)
-        gpt.layers = build_te_layers(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                                     num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
-                                     init_method_std=m.init_method_std, device=device)  # fmt: skip
-    return gpt
 
 
 def named_parameter_groups(

@@ -243,11 +243,10 @@ def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     m = c.model
     if not m.use_te:
         return
-    from engine.megatron.availability import TE_HINT, _hint, te_available
+    from engine.megatron.availability import te_missing
 
-    if not te_available():
-        yield Problem("model.use_te", f"needs Transformer Engine: {_hint('transformer_engine.pytorch', TE_HINT)}, "
-                                      "or set model.use_te=false")  # fmt: skip
+    if (why := te_missing()) is not None:
+        yield Problem("model.use_te", f"{why}, or set model.use_te=false")
     elif c.train.device == "cpu":
         yield Problem("model.use_te", 'Transformer Engine layers run on CUDA only; set train.device="auto" or '
                                       '"cuda", or model.use_te=false')  # fmt: skip

@@ -177,3 +177,20 @@ def test_user_optimizer_cannot_take_half_weights():
             config=TINY,
             overrides=["train.params_dtype=half", "train.precision=bf16"],
         )
+
+
+def test_gpt_keeps_the_weights_of_blocks_built_elsewhere():
+    """model.use_te hands GPT Transformer Engine's blocks, which initialise themselves: the name-based init
+    (zero biases, ones for norm weights) must leave them as built, and still init GPT's own parameters."""
+    from torch import nn
+
+    from engine.models.gpt import GPT, TransformerLayer
+
+    blocks = nn.ModuleList(TransformerLayer(16, 2, 64) for _ in range(2))
+    with torch.no_grad():
+        for p in blocks.parameters():
+            p.fill_(0.5)
+    gpt = GPT(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32, layers=blocks)
+    assert gpt.layers is blocks
+    assert all(torch.all(p == 0.5) for p in blocks.parameters())
+    assert torch.all(gpt.final_norm.weight == 1) and gpt.embedding.weight.std() > 0

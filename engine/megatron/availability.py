@@ -62,7 +62,12 @@ def te_available() -> bool:
     return _import_error("transformer_engine.pytorch") is None
 
 
+def te_missing() -> str | None:
+    """Why Transformer Engine cannot be used here ("needs Transformer Engine: <how to install>"), or None."""
+    return None if te_available() else f"needs Transformer Engine: {_hint('transformer_engine.pytorch', TE_HINT)}"
+
+
 def require_te(feature: str) -> None:
     """Raise `MissingExtraError` naming `feature` when Transformer Engine is missing."""
-    if not te_available():
-        raise MissingExtraError(f"{feature} needs Transformer Engine: {_hint('transformer_engine.pytorch', TE_HINT)}")
+    if (why := te_missing()) is not None:
+        raise MissingExtraError(f"{feature} {why}")

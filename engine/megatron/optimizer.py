@@ -64,10 +64,11 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
     groups = _plain_groups(param_groups)
     if cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: megatron-core's builder here takes adam or sgd")
+    on_host = any(p.device.type != "cuda" for g in groups for p in g["params"])
     if not cfg.optimizer_cpu_offload:
         # with TE or Apex installed megatron's Adam and SGD are their fused CUDA kernels, which given host
         # tensors write through host pointers (seen on the H200: an illegal memory access); torch's on CPU
-        torch_only = mopt.USING_PYTORCH_OPTIMIZER or any(p.device.type != "cuda" for g in groups for p in g["params"])
+        torch_only = mopt.USING_PYTORCH_OPTIMIZER or on_host
         if cfg.optimizer == "sgd":
             sgd = torch.optim.SGD if torch_only else mopt.SGD
             return sgd(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
@@ -76,7 +77,7 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
         if torch_only:
             return torch.optim.AdamW(groups, **kwargs)
         return mopt.Adam(groups, adam_w_mode=True, **kwargs)  # TE / Apex FusedAdam in AdamW mode
-    if not torch.cuda.is_available() or any(p.device.type != "cuda" for g in groups for p in g["params"]):
+    if not torch.cuda.is_available() or on_host:
         raise RuntimeError(HDO_NEEDS_CUDA)
     if cfg.optimizer == "adam":
         gpu_cls, cpu_cls = mopt.Adam, torch.optim.AdamW

@@ -73,7 +73,10 @@ class GPT(nn.Module):
         ffn_hidden_size: int | None = None,
         init_method_std: float = 0.02,
         recompute_granularity: str | None = None,
+        layers: nn.ModuleList | None = None,
     ) -> None:
+        """layers: blocks built elsewhere (Transformer Engine's) in place of the built-in ones; they initialise
+        their own weights, so the name-based init below leaves them alone."""
         super().__init__()
         if hidden_size % num_attention_heads:
             raise ValueError(
@@ -84,16 +87,21 @@ class GPT(nn.Module):
         self.full_recompute = recompute_granularity == "full"
         self.embedding = nn.Embedding(vocab_size, hidden_size)
         self.position_embedding = nn.Embedding(seq_length, hidden_size)
-        self.layers = nn.ModuleList(
-            TransformerLayer(hidden_size, num_attention_heads, ffn, recompute_granularity == "selective")
-            for _ in range(num_layers)
-        )
+        own_layers = layers is None
+        if own_layers:
+            layers = nn.ModuleList(
+                TransformerLayer(hidden_size, num_attention_heads, ffn, recompute_granularity == "selective")
+                for _ in range(num_layers)
+            )
+        self.layers = layers
         self.final_norm = nn.LayerNorm(hidden_size)
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
-        self._init_weights(init_method_std, num_layers)
+        self._init_weights(init_method_std, num_layers, own_layers)
 
-    def _init_weights(self, std: float, num_layers: int) -> None:
+    def _init_weights(self, std: float, num_layers: int, own_layers: bool) -> None:
         for name, p in self.named_parameters():
+            if not own_layers and name.startswith("layers."):
+                continue
             if p.dim() == 1:
                 # LayerNorm weights are ones, every bias zero
                 nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
