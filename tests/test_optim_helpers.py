@@ -111,31 +111,3 @@ def slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
 
     monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
     monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", counted)
-
-
-def guesses_on_both(
-    monkeypatch, max_norm: float, dtype=torch.float32, device: str = "cpu"
-) -> tuple[torch.nn.Module, list[bool]]:
-    """A run where the CPU threads and the assist both guess every complete unit (slowed CPU threads, so
-    the assist takes some); returns the model and, per assist call, whether it was a guess."""
-    from engine.optim import gpu_assist
-
-    slow_cpu_threads(monkeypatch, [])
-    calls: list[bool] = []
-    step_unit = gpu_assist.GpuAssist.step_unit
-
-    def recorded(self, *a, **kw):
-        calls.append(kw.get("guess_into") is not None)
-        return step_unit(self, *a, **kw)
-
-    monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", recorded)
-    model = tiny_gpt(layers=6, dtype=dtype, device=device)
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=1.0,
-                                overlap_cpu_optimizer_d2h_h2d=True, cpu_threads=2, gpu_assist=True)  # fmt: skip
-    opt.attach_model(model)
-    opt.cpu.guess_after_decision = True
-    run_hybrid(model, batches(6, micro=2, device=device), max_norm=max_norm, opt=opt)
-    state = opt.state_dict()["state"]
-    for n, p in model.named_parameters():  # the weights the forward sees are the committed masters, rounded
-        assert torch.equal(state[n]["master"].to(device=device, dtype=dtype), p.detach()), n
-    return model, calls

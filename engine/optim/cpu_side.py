@@ -19,6 +19,7 @@ Without CUDA the copies are plain host copies and events are absent; the code pa
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -108,14 +109,11 @@ class CpuPart:
             self.banks2 = [FlatViews(layout, torch.float32, pin2) for _ in range(3)]
             self.alt = {n: tuple(b[n] for b in self.banks2) for n in self.params}
         self.spec_ok = True  # speculate this step: the last one was not clipped
-        # between the main thread and the step's workers: complete units to guess, then the decision
-        self.cv = threading.Condition()
-        self.pending: deque[tuple[str, dict[str, torch.Tensor]]] = deque()  # (unit, shipped) in backward order
-        self.decision: tuple | None = None  # ("go", shipped, hypers, inv_scale, coef, bwd_done) or ("stop",)
-        self.guess_after_decision = False  # tests: guess every complete unit even when the decision came first
+        self.q: queue.Queue = queue.Queue()
         self.open = False  # a step's driver job is running and has not been told to go or stop
         self.unit_left: dict[str, int] = {}
         self.unit_of = {n: u for u, ns in self.units.items() for n in ns}
+        self.go = threading.Event()
         self.g32: FlatViews | None = None
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam")
@@ -155,9 +153,7 @@ class CpuPart:
         if not self.open:
             self.wait_job()  # the previous step must be done reading the host buffers
             self.unit_left = {u: len(ns) for u, ns in self.units.items()}
-            with self.cv:
-                self.pending.clear()
-                self.decision = None
+            self.go.clear()
             self.job = self.driver.submit(self._run)
             self.open = True
 
@@ -181,7 +177,7 @@ class CpuPart:
         if first:
             self.unit_left[u] -= 1
             if self.unit_left[u] == 0 and self.speculate and self.spec_ok:
-                self._tell(lambda: self.pending.append((u, dict(self.shipped))))
+                self.q.put(("spec", u, dict(self.shipped)))
 
     def launch(self, hypers: list[Hyper], inv_scale: float, coef: float) -> None:
         """Step every shipped parameter on the driver thread; returns at once."""
@@ -190,8 +186,8 @@ class CpuPart:
             e.clear()
         self._open_step()
         shipped, self.shipped = self.shipped, {}
-        # the workers stop guessing at their next unit boundary
-        self._tell(lambda: setattr(self, "decision", ("go", shipped, hypers, inv_scale, coef, bwd_done)))
+        self.go.set()  # the driver stops speculating at the next unit boundary
+        self.q.put(("go", shipped, hypers, inv_scale, coef, bwd_done))
         self.open = False
         self.spec_ok = coef == 1.0 and inv_scale == 1.0  # a clipped step predicts a clipped next one
 
@@ -199,13 +195,9 @@ class CpuPart:
         """Drop shipped gradients without stepping (non-finite step, or zero_grad with no step)."""
         self.shipped = {}
         if self.open:
-            self._tell(lambda: setattr(self, "decision", ("stop",)))
+            self.go.set()
+            self.q.put(("stop",))
             self.open = False
-
-    def _tell(self, change: Callable[[], None]) -> None:
-        with self.cv:
-            change()
-            self.cv.notify_all()
 
     def wait_unit(self, unit: str) -> None:
         if not self.ready[unit].is_set():
@@ -237,116 +229,77 @@ class CpuPart:
 
     # ---- driver thread ----
     def _run(self) -> None:
-        """One step on the driver thread: guess units as they arrive (with the assist), then commit or compute."""
+        """One step on the driver thread: speculate on units as they arrive, then commit or compute in order."""
         spec: dict[str, dict[str, Hyper]] = {}  # unit -> the hyperparameters each of its params was stepped with
-        issued: dict[str, threading.Event] = {}  # unit -> set once its guess is issued (the assist's may be in flight)
-        guess_done: dict[str, torch.cuda.Event | None] = {}  # unit -> after this the assist's guess is in host memory
-        assisted = guessing = None
+        compute = 0.0
         try:
-            if self.assist is not None and self.speculate:
-                guessing = self.assist_thread.submit(self._guess, spec, issued, guess_done, True)
-            compute = self._guess(spec, issued, guess_done, False)
-            if guessing is not None and (self.decision[0] == "stop" or self.guess_after_decision):
-                guessing.result()
-            if self.decision[0] == "stop":
-                return
-            _, shipped, hypers, inv_scale, coef, bwd_done = self.decision
+            while True:
+                msg = self.q.get()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "go":
+                    break
+                _, u, shipped = msg
+                if self.go.is_set():
+                    continue  # the clip factor is known: no more guessing
+                hypers = self.hyper_source()
+                names = [n for n in self.units[u] if n in shipped]
+                self._wait_d2h(names)
+                t = time.perf_counter()
+                self._step_fused(names, shipped, hypers, 1.0, 1.0, out_of_place=True)
+                compute += time.perf_counter() - t
+                spec[u] = {n: hypers[self.group_of[n]] for n in names}
+            _, shipped, hypers, inv_scale, coef, bwd_done = msg
             t_run = time.perf_counter()
-            # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist; a unit
-            # whose guess the assist is still issuing waits its turn, so the CPU threads start at once
+            # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist
             queue_ = deque(self.units)
             lock = threading.Lock()
 
             def take() -> str | None:
                 with lock:
-                    if not queue_:
-                        return None
-                    u = next((u for u in queue_ if u not in issued or issued[u].is_set()), queue_[0])
-                    queue_.remove(u)
-                return u
+                    return queue_.popleft() if queue_ else None
 
-            work = (shipped, hypers, inv_scale, coef, bwd_done, spec, guess_done, issued)
+            work = (shipped, hypers, inv_scale, coef, bwd_done, spec)
             assisted = self.assist_thread.submit(self._work, take, work, True) if self.assist else None
             compute += self._work(take, work, False)
-            n_assisted = assisted.result() if assisted is not None else 0
-            if guessing is not None:
-                guessing.result()
-            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": len(spec),
-                           "guessed_on_gpu": len(guess_done), "assisted": n_assisted}  # fmt: skip
-        finally:
-            if self.assist is not None:
-                for f in (guessing, assisted):
-                    if f is not None and not f.done():
-                        f.exception()  # an error on this thread: let the assist's loops end before draining
+            n_assisted = 0
+            if assisted is not None:
+                n_assisted = assisted.result()
                 self.assist.drain()  # host states are final before the next step or a state_dict reads them
+            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": len(spec),
+                           "assisted": n_assisted}  # fmt: skip
+        finally:
             for e in self.ready.values():
                 e.set()
 
-    def _guess(self, spec: dict, issued: dict, guess_done: dict, on_gpu: bool) -> float:
-        """Until the decision: step complete units out of place as if unclipped (CPU threads, or the assist).
-
-        Returns the CPU arithmetic seconds spent."""
-        compute = 0.0
-        while True:
-            with self.cv:
-                while not self.pending and self.decision is None:
-                    self.cv.wait()
-                if not self.pending or (self.decision is not None and not self.guess_after_decision):
-                    return compute
-                u, shipped = self.pending.popleft()
-                issued[u] = threading.Event()
-            try:
-                hypers = self.hyper_source()
-                names = [n for n in self.units[u] if n in shipped]
-                self._wait_d2h(names)
-                if on_gpu:
-                    half = {n: self.upload[n] for n in names} if self.upload is not None else None
-                    guess_done[u] = self.assist.step_unit(
-                        names, self.cur, shipped, {n: hypers[self.group_of[n]] for n in names}, self.steps,
-                        self.params, 1.0, 1.0, None, guess_into=(self.alt, half),
-                    )  # fmt: skip
-                else:
-                    t = time.perf_counter()
-                    self._step_fused(names, shipped, hypers, 1.0, 1.0, out_of_place=True)
-                    compute += time.perf_counter() - t
-                spec[u] = {n: hypers[self.group_of[n]] for n in names}
-            finally:
-                issued[u].set()
-
     def _work(self, take: Callable[[], str | None], work: tuple, on_gpu: bool) -> float | int:
         """Step units from `take` until none are left; returns CPU arithmetic seconds, or (on_gpu) units stepped."""
-        shipped, hypers, inv_scale, coef, bwd_done, spec, guess_done, issued = work
+        shipped, hypers, inv_scale, coef, bwd_done, spec = work
         compute, assisted = 0.0, 0
         while (u := take()) is not None:
             todo = [n for n in self.units[u] if n in shipped]
-            if u in issued:
-                issued[u].wait()  # its guess is issued: spec[u] and guess_done[u] are in place
             if todo:
                 self._wait_d2h(todo)
                 guess = spec.get(u)
-                on_host = guess_done.get(u)  # the assist's guess: in host memory after this event
                 t = time.perf_counter()
                 if (guess is not None and coef == 1.0 and inv_scale == 1.0 and set(guess) == set(todo)
                         and all(guess[n] == hypers[self.group_of[n]] for n in todo)):  # fmt: skip
                     for n in todo:  # commit: the speculative bank becomes the current one
                         self.cur[n], self.alt[n] = self.alt[n], self.cur[n]
-                    self._upload(u, todo, bwd_done, after=on_host)
+                    self._upload(u, todo, bwd_done)
+                elif on_gpu:
+                    self.h2d_event[u] = self.assist.step_unit(
+                        todo, self.cur, shipped, {n: hypers[self.group_of[n]] for n in todo}, self.steps,
+                        self.params, inv_scale, coef, bwd_done,
+                    )  # fmt: skip
+                    assisted += 1
                 else:
-                    if on_host is not None:
-                        on_host.synchronize()  # a thrown-away guess must not land in the upload buffer after the redo
-                    if on_gpu:
-                        self.h2d_event[u] = self.assist.step_unit(
-                            todo, self.cur, shipped, {n: hypers[self.group_of[n]] for n in todo}, self.steps,
-                            self.params, inv_scale, coef, bwd_done,
-                        )  # fmt: skip
-                        assisted += 1
+                    if self.inner:
+                        self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
                     else:
-                        if self.inner:
-                            self._step_torch(u, todo, shipped, hypers, inv_scale, coef)
-                        else:
-                            self._step_fused(todo, shipped, hypers, inv_scale, coef, out_of_place=False)
-                        compute += time.perf_counter() - t
-                        self._upload(u, todo, bwd_done)
+                        self._step_fused(todo, shipped, hypers, inv_scale, coef, out_of_place=False)
+                    compute += time.perf_counter() - t
+                    self._upload(u, todo, bwd_done)
                 for n in todo:
                     self.steps[n] += 1
             self.ready[u].set()
@@ -408,12 +361,10 @@ class CpuPart:
             if self.upload is not None:
                 self.upload[n].copy_(self.master[n])
 
-    def _upload(self, unit: str, names: list[str], bwd_done, after: torch.cuda.Event | None = None) -> None:
+    def _upload(self, unit: str, names: list[str], bwd_done) -> None:
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(bwd_done)  # the last backward may still read these weights
-                if after is not None:
-                    self.h2d_stream.wait_event(after)  # the assist's guess has reached the host buffers
                 for n in names:
                     p = self.params[n]
                     p.data.copy_(self._upload_view(n).view(p.shape), non_blocking=True)

@@ -9,13 +9,7 @@ each direction at once while the CPU threads step other units, so the two togeth
 CPU-resident part sooner than the CPU alone.
 
 States stay in host memory between steps; the GPU holds only 3 staging slots of the largest tensor:
-3 x (16 + 2 or 4 (+ 2)) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped,
-plus a half-precision weight when it guesses for a bf16/fp16 model).
-
-With overlap the assist also guesses during backward, as the CPU threads do (cpu_side.py): the
-results go to the second host bank and the weight to the host's upload buffer, to be committed or
-thrown away once the clip factor is known. Backward leaves PCIe nearly idle (2 bytes per parameter
-of gradients), so this is where the assist adds the most.
+3 x (16 + 2 or 4) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).
 Units are taken from the same forward-ordered queue as the CPU threads, so each worker takes
 the next layer the forward will need. Without CUDA the same code runs with host tensors and no
 streams (the CPU tests' path), and with torch's single-tensor AdamW arithmetic instead of the fused
@@ -35,7 +29,6 @@ class _Slot:
     def __init__(self, numel: int, device: torch.device) -> None:
         self.p, self.m, self.v, self.g32 = (torch.empty(numel, dtype=torch.float32, device=device) for _ in range(4))
         self.g: dict[torch.dtype, torch.Tensor] = {}
-        self.w: dict[torch.dtype, torch.Tensor] = {}  # a guessed half-precision weight on its way to the host
         self.step = torch.zeros((), dtype=torch.float32, device=device)
         self.done: torch.cuda.Event | None = None  # its results have been copied out to the host
 
@@ -53,8 +46,7 @@ class GpuAssist:
 
     def staging_bytes(self) -> int:
         s = self.slots[0]
-        extra = [*s.g.values(), *s.w.values()]
-        return len(self.slots) * (4 * s.p.numel() * 4 + sum(t.numel() * t.element_size() for t in extra))
+        return len(self.slots) * (4 * s.p.numel() * 4 + sum(g.numel() * g.element_size() for g in s.g.values()))
 
     def step_unit(
         self,
@@ -67,17 +59,12 @@ class GpuAssist:
         inv_scale: float,
         coef: float,
         bwd_done: torch.cuda.Event | None,
-        guess_into: tuple[dict[str, tuple[torch.Tensor, ...]], dict[str, torch.Tensor] | None] | None = None,
     ) -> torch.cuda.Event | None:
         """AdamW on `names` (one unit): host (master, m, v) in `states`, updated in place; steps[n] is the
-        count before this step. Writes the model's weights on the GPU. Returns the event the forward waits on.
-
-        guess_into=(bank, half): a guess made during backward: the results go to the other host bank
-        (name -> master, m, v) and, for half-precision models, the weight to half[name] on the host; the
-        model is not touched. Returns the event after which those host buffers hold the results."""
+        count before this step. Writes the model's weights on the GPU. Returns the event the forward waits on."""
         on = (lambda s: torch.cuda.stream(s)) if self.cuda else (lambda s: contextlib.nullcontext())
         with torch.no_grad():
-            if bwd_done is not None and guess_into is None:
+            if bwd_done is not None:
                 self.stream.wait_event(bwd_done)  # the last backward may still read these weights
             for n in names:
                 slot = self.slots[self.next % len(self.slots)]
@@ -112,21 +99,9 @@ class GpuAssist:
                                             maximize=False)  # fmt: skip
                     else:  # torch's single-tensor arithmetic, as the CPU threads do: CPU tests compare bit for bit
                         adamw_torch_(sp, sm, sv, g32, None, adamw_scalars(h, steps[n] + 1, 1.0, 1.0))
-                    if guess_into is None:
-                        p = params[n]
-                        p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
-                        outs = ((p_h, sp), (m_h, sm), (v_h, sv))
-                    else:
-                        bank, half = guess_into
-                        outs = tuple(zip(bank[n], (sp, sm, sv), strict=True))
-                        if half is not None:
-                            w_h = half[n]
-                            if w_h.dtype not in slot.w:
-                                slot.w[w_h.dtype] = torch.empty(slot.p.numel(), dtype=w_h.dtype, device=self.device)
-                            w = slot.w[w_h.dtype][:k]
-                            w.copy_(sp)  # rounded to the model's dtype here, as the CPU pass does
-                            outs += ((w_h, w),)
-                    for dst, src in outs:
+                    p = params[n]
+                    p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
+                    for dst, src in ((p_h, sp), (m_h, sm), (v_h, sv)):
                         dst.copy_(src, non_blocking=self.cuda)
                     slot.done = self.stream.record_event() if self.cuda else None
             return self.stream.record_event() if self.cuda else None
