@@ -325,6 +325,21 @@ def test_gpu_assist_with_speculation(monkeypatch):
     assert max_rel_err(ours, run_reference(tiny_gpt(), data, max_norm=0.0)) <= 1e-6
 
 
+def test_gpu_assist_is_bitwise_the_cpu_threads(reference, monkeypatch):
+    """The assist rounds as the CPU threads do: clipped, accumulated steps with units shared between them
+    give bit for bit the weights of the CPU threads alone."""
+    model, data, _ = reference
+    alone, _ = run_hybrid(copy.deepcopy(model), data, max_norm=0.5, offload_fraction=1.0,
+                          overlap_cpu_optimizer_d2h_h2d=True, cpu_threads=2)  # fmt: skip
+    assisted: list[int] = []
+    slow_cpu_threads(monkeypatch, assisted)
+    shared, _ = run_hybrid(copy.deepcopy(model), data, max_norm=0.5, offload_fraction=1.0,
+                           overlap_cpu_optimizer_d2h_h2d=True, cpu_threads=2, gpu_assist=True)  # fmt: skip
+    assert len(assisted) > 0
+    for (n, a), (_, b) in zip(shared.named_parameters(), alone.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 def test_gpu_assist_needs_the_engine_adamw():
     with pytest.raises(ValueError, match="gpu_assist=True works with the engine's own AdamW only"):
         HybridDeviceOptimizer(tiny_gpt().named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,

@@ -18,7 +18,8 @@ from test_optim_helpers import (
 )
 
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, fused_kernel
+from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
 
 pytestmark = [
     pytest.mark.gpu,
@@ -127,3 +128,39 @@ def test_cuda_gpu_assist_parity(fraction, max_norm, monkeypatch):
     largest = max(p.numel() for n, p in ours.named_parameters() if n in opt.cpu_names)
     assert opt.cpu.assist.staging_bytes() <= 3 * (16 + 4) * largest  # fp32 master, m, v, grad; grad as shipped
     assert max_rel_err(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 0.0])
+def test_cuda_gpu_assist_is_bitwise_the_cpu_threads(max_norm, monkeypatch):
+    """On CUDA too the assist's ops round as the CPU threads' pass: shared units, bit for bit the same weights."""
+    model, data = tiny_gpt(device="cuda"), batches(20, micro=2, device="cuda")
+    alone, _ = run_hybrid(copy.deepcopy(model), data, max_norm=max_norm, offload_fraction=1.0,
+                          overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    assisted: list[int] = []
+    slow_cpu_threads(monkeypatch, assisted)
+    shared, _ = run_hybrid(copy.deepcopy(model), data, max_norm=max_norm, offload_fraction=1.0,
+                           overlap_cpu_optimizer_d2h_h2d=True, gpu_assist=True)  # fmt: skip
+    assert len(assisted) > 0
+    for (n, a), (_, b) in zip(shared.named_parameters(), alone.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # lerp from either end
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
+    """torch's single-tensor AdamW ops on CUDA (the assist's arithmetic) against fused_adamw.c on the host."""
+    if fused_kernel.load() is None:
+        pytest.skip("no C compiler: the CPU pass is torch's ops itself")
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 20
+    p, m = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2
+    v, grad = torch.rand(n, generator=g) * 1e-4, (torch.randn(n, generator=g) * 1e-2).to(grad_dtype)
+    s = adamw_scalars(Hyper(3e-4, beta1, 0.95, 1e-8, 0.1, 0.0), 7, 0.5, 0.8)
+    cpu = [t.clone() for t in (p, m, v)]
+    half = torch.empty(n, dtype=torch.bfloat16)
+    fused_kernel.adamw_slice(fused_kernel.load(), 0, n, *cpu, grad, None, *cpu, half, s)
+    gpu = [t.cuda() for t in (p, m, v)]
+    adamw_torch_(*gpu, grad.cuda(), None, s)
+    for a, b in zip(gpu, cpu, strict=True):
+        assert torch.equal(a.cpu(), b)
+    assert torch.equal(gpu[0].to(torch.bfloat16).cpu(), half)

@@ -1,8 +1,10 @@
 """The optimizer arithmetic, apart from where tensors live.
 
 `Hyper` is one parameter group's hyperparameters at one step; `adamw_scalars` turns it into
-the fp32 scalars of the fused pass; `adamw_torch_` is the same update in torch ops, op for op
-torch's single-tensor AdamW, used where the C pass cannot be built.
+the fp32 scalars of the fused pass; `adamw_torch_` is the same update in torch ops: bit for bit
+torch's single-tensor AdamW on the CPU, where it stands in for the C pass when that cannot be built,
+and bit for bit the C pass on CUDA, where the GPU assist uses it so that its units round as the CPU
+threads' do.
 """
 
 from __future__ import annotations
@@ -60,4 +62,6 @@ def adamw_torch_(
     m.lerp_(g, w1)
     v.mul_(beta2).addcmul_(g, g, value=omb2)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=neg_step)
+    # (-step_size * m) / denom, then added: what torch's CPU addcdiv_ computes, and on CUDA (whose
+    # addcdiv_ multiplies -step_size by m / denom) the rounding of fused_adamw.c
+    p.add_(torch.mul(m, neg_step).div_(denom))

@@ -132,7 +132,7 @@ class CpuPart:
         self.assist: GpuAssist | None = None
         if gpu_assist:
             device = next(iter(self.params.values())).device
-            self.assist = GpuAssist(max(p.numel() for p in self.params.values()), device)
+            self.assist = GpuAssist(max(p.numel() for p in self.params.values()), device, host_lib=self.lib)
             self.assist_thread = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-assist")
 
     # ---- torch.optim for the CPU part (use_torch_optimizer_for_cpu_offload, or SGD) ----

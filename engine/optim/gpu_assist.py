@@ -3,17 +3,19 @@
 Why: the CPU step is bound by host DRAM (about 28-30 bytes per parameter at 4-5 G params/s on the
 device's 16 cores), and an exact clipped step can start only after backward. A unit stepped here
 instead costs no CPU time: its fp32 master, m and v cross PCIe to a staging slot (12 bytes per
-parameter, plus its gradient), the GPU's fused AdamW steps them, the model's weights are written
-on the GPU, and master, m and v go back (12 bytes). PCIe carries that at ~3.5-4.5 G params/s in
-each direction at once while the CPU threads step other units, so the two together finish the
-CPU-resident part sooner than the CPU alone.
+parameter, plus its gradient), the GPU steps them, the model's weights are written on the GPU, and
+master, m and v go back (12 bytes). PCIe carries that at ~3.5-4.5 G params/s in each direction at
+once while the CPU threads step other units, so the two together finish the CPU-resident part
+sooner than the CPU alone, as far as host DRAM lets them (the copies read and write it too).
+The arithmetic is torch's single-tensor AdamW ops, which round as the CPU threads' pass does: a run
+with the assist is bit for bit the run without it, whichever worker takes which unit.
 
 States stay in host memory between steps; the GPU holds only 3 staging slots of the largest tensor:
 3 x (16 + 2 or 4) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).
 Units are taken from the same forward-ordered queue as the CPU threads, so each worker takes
 the next layer the forward will need. Without CUDA the same code runs with host tensors and no
-streams (the CPU tests' path), and with torch's single-tensor AdamW arithmetic instead of the fused
-kernel, as gpu_side.py does, so CPU tests compare bit for bit.
+streams (the CPU tests' path). Besides the slots, the ops' temporaries (a few fp32 tensors of the
+largest size) come from the caching allocator on the assist's stream.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 
 import torch
 
+from engine.optim import fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
 
 
@@ -29,13 +32,14 @@ class _Slot:
     def __init__(self, numel: int, device: torch.device) -> None:
         self.p, self.m, self.v, self.g32 = (torch.empty(numel, dtype=torch.float32, device=device) for _ in range(4))
         self.g: dict[torch.dtype, torch.Tensor] = {}
-        self.step = torch.zeros((), dtype=torch.float32, device=device)
         self.done: torch.cuda.Event | None = None  # its results have been copied out to the host
 
 
 class GpuAssist:
-    def __init__(self, max_numel: int, device: torch.device, slots: int = 3) -> None:
+    def __init__(self, max_numel: int, device: torch.device, slots: int = 3, host_lib=None) -> None:
+        """host_lib: the CPU threads' compiled pass, used for the arithmetic where there is no CUDA."""
         self.device = device
+        self.host_lib = host_lib
         self.cuda = device.type == "cuda"
         self.slots = [_Slot(max_numel, device) for _ in range(slots)]
         self.next = 0
@@ -91,14 +95,16 @@ class GpuAssist:
                         g32.mul_(inv_scale)
                     if coef != 1.0:
                         g32.mul_(coef)  # the same two fp32 multiplies as the GPU-stepped part
-                    h = hypers[n]
+                    s = adamw_scalars(hypers[n], steps[n] + 1, 1.0, 1.0)
                     if self.cuda:
-                        slot.step.fill_(float(steps[n] + 1))  # the kernel reads the step number; torch.optim adds 1
-                        torch._fused_adamw_([sp], [g32], [sm], [sv], [], [slot.step], lr=h.lr, beta1=h.beta1,
-                                            beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False,
-                                            maximize=False)  # fmt: skip
-                    else:  # torch's single-tensor arithmetic, as the CPU threads do: CPU tests compare bit for bit
-                        adamw_torch_(sp, sm, sv, g32, None, adamw_scalars(h, steps[n] + 1, 1.0, 1.0))
+                        # torch's single-tensor ops, not its fused CUDA AdamW: on CUDA they round as the CPU
+                        # threads' pass (fused_adamw.c), so a unit's result does not depend on which worker
+                        # took it. ~80 bytes of HBM traffic a parameter: ~1 ms a 50 M-parameter layer.
+                        adamw_torch_(sp, sm, sv, g32, None, s)
+                    elif self.host_lib is not None:  # host-only runs (CPU tests): the CPU threads' pass itself
+                        fused_kernel.adamw_slice(self.host_lib, 0, k, sp, sm, sv, g32, None, sp, sm, sv, None, s)
+                    else:
+                        adamw_torch_(sp, sm, sv, g32, None, s)
                     p = params[n]
                     p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
                     for dst, src in ((p_h, sp), (m_h, sm), (v_h, sv)):

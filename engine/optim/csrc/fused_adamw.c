@@ -7,9 +7,13 @@
  * a stock AdamW plus separate casts.  The outputs may alias the inputs (in place) or not
  * (out of place: the caller commits the new buffers once the clip factor is known).
  *
- * The arithmetic mirrors torch's single-tensor AdamW operation by operation in fp32
- * (mul_, lerp_, mul_/addcmul_, sqrt/div/add, addcdiv_), including where torch's CPU kernels fuse a
- * multiply-add or divide by a scalar's reciprocal, so the two agree bit for bit.
+ * The arithmetic is torch's single-tensor AdamW ops in fp32 (mul_, lerp_, mul_/addcmul_, sqrt, div
+ * by a scalar, add_, then -step_size * m / denom added to p) as torch's CUDA kernels round them: the
+ * same fused multiply-adds, a correctly rounded sqrt, and a division by a scalar as a multiply by its
+ * reciprocal. engine/optim/adam_math.py:adamw_torch_ run on CUDA gives these bits (a GPU test checks
+ * it), which is what lets the GPU assist step units the CPU threads would otherwise step.  Torch's
+ * CPU kernels differ in the last bit in places (a true division by the scalar, a sqrt that is not
+ * always correctly rounded): within 1e-6 of torch's CPU AdamW, not bit for bit.
  * Threading is left to the caller: each call is one slice, called with the GIL released.
  *
  * Streaming stores: an output that does not alias an input (the out-of-place bank, the half copy)
@@ -68,7 +72,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
         float vi = v[i] * h.beta2;
         vi = fmaf(h.one_minus_beta2 * gi, gi, vi); /* addcmul_, contracted as torch's build does */
-        float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch divides by a scalar as a multiply by its reciprocal */
+        float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
         pi = pi + (h.neg_step_size * mi) / denom; /* addcdiv_: self + value * t1 / t2 */
         p_out[i] = pi;
         m_out[i] = mi;
