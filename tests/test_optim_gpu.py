@@ -164,3 +164,15 @@ def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
     for a, b in zip(gpu, cpu, strict=True):
         assert torch.equal(a.cpu(), b)
     assert torch.equal(gpu[0].to(torch.bfloat16).cpu(), half)
+
+
+def test_cuda_cpu_pass_is_bitwise_torch_adamw():
+    """All parameters CPU-stepped, unclipped: the weights are bit for bit torch's single-tensor AdamW on CUDA
+    (fused_adamw.c rounds as torch's CUDA kernels), over 20 accumulated, scheduled steps."""
+    model, data = tiny_gpt(device="cuda"), batches(20, micro=2, device="cuda")
+    ref = run_reference(model, data, max_norm=0.0)
+    ours, opt = run_hybrid(copy.deepcopy(model), data, max_norm=0.0, offload_fraction=1.0,
+                           overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    assert opt.cpu.lib is not None or fused_kernel.load() is None
+    for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(a, b), (n, (a - b).abs().max().item())

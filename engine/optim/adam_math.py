@@ -1,14 +1,14 @@
 """The optimizer arithmetic, apart from where tensors live.
 
 `Hyper` is one parameter group's hyperparameters at one step; `adamw_scalars` turns it into
-the fp32 scalars of the fused pass; `adamw_torch_` is the same update in torch ops: bit for bit
-torch's single-tensor AdamW on the CPU, where it stands in for the C pass when that cannot be built,
-and bit for bit the C pass on CUDA, where the GPU assist uses it so that its units round as the CPU
-threads' do.
+the fp32 scalars of the fused pass; `adamw_torch_` is the same update in torch ops, op for op
+torch's single-tensor AdamW: on the CPU it stands in for the C pass when that cannot be built, and on
+CUDA, where torch's kernels round as the C pass does, the GPU assist runs it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,9 @@ def adamw_scalars(h: Hyper, step: int, inv_scale: float, coef: float) -> tuple[f
     """(inv_scale, coef, decay, w1, beta2, 1-beta2, sqrt(bias_correction2), eps, -step_size) for step >= 1."""
     bc1 = 1 - h.beta1**step
     bc2 = 1 - h.beta2**step
-    return (inv_scale, coef, 1 - h.lr * h.weight_decay, 1 - h.beta1, h.beta2, 1 - h.beta2, bc2**0.5, h.eps, -h.lr / bc1)
+    # math.sqrt, as torch.optim takes bias_correction2's root
+    return (inv_scale, coef, 1 - h.lr * h.weight_decay, 1 - h.beta1, h.beta2, 1 - h.beta2, math.sqrt(bc2), h.eps,
+            -h.lr / bc1)  # fmt: skip
 
 
 def adamw_torch_(
@@ -62,6 +64,4 @@ def adamw_torch_(
     m.lerp_(g, w1)
     v.mul_(beta2).addcmul_(g, g, value=omb2)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    # (-step_size * m) / denom, then added: what torch's CPU addcdiv_ computes, and on CUDA (whose
-    # addcdiv_ multiplies -step_size by m / denom) the rounding of fused_adamw.c
-    p.add_(torch.mul(m, neg_step).div_(denom))
+    p.addcdiv_(m, denom, value=neg_step)

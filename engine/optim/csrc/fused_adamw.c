@@ -7,13 +7,12 @@
  * a stock AdamW plus separate casts.  The outputs may alias the inputs (in place) or not
  * (out of place: the caller commits the new buffers once the clip factor is known).
  *
- * The arithmetic is torch's single-tensor AdamW ops in fp32 (mul_, lerp_, mul_/addcmul_, sqrt, div
- * by a scalar, add_, then -step_size * m / denom added to p) as torch's CUDA kernels round them: the
- * same fused multiply-adds, a correctly rounded sqrt, and a division by a scalar as a multiply by its
- * reciprocal. engine/optim/adam_math.py:adamw_torch_ run on CUDA gives these bits (a GPU test checks
- * it), which is what lets the GPU assist step units the CPU threads would otherwise step.  Torch's
- * CPU kernels differ in the last bit in places (a true division by the scalar, a sqrt that is not
- * always correctly rounded): within 1e-6 of torch's CPU AdamW, not bit for bit.
+ * The arithmetic is torch's single-tensor AdamW (mul_, lerp_, mul_/addcmul_, sqrt, div by a scalar,
+ * add_, addcdiv_) as torch's CUDA kernels round it: the same fused multiply-adds, a correctly rounded
+ * sqrt, a division by a scalar as a multiply by its reciprocal. So torch's single-tensor AdamW on CUDA
+ * (and adam_math.adamw_torch_ there, which the GPU assist runs) gives these bits; GPU tests check both.
+ * Torch's CPU kernels differ in the last bit in places (a true division by the scalar, a sqrt that is
+ * not always correctly rounded, addcdiv_ as (value * t1) / t2): within 1e-6 of torch's CPU AdamW.
  * Threading is left to the caller: each call is one slice, called with the GIL released.
  *
  * Streaming stores: an output that does not alias an input (the out-of-place bank, the half copy)
@@ -73,7 +72,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         float vi = v[i] * h.beta2;
         vi = fmaf(h.one_minus_beta2 * gi, gi, vi); /* addcmul_, contracted as torch's build does */
         float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
-        pi = pi + (h.neg_step_size * mi) / denom; /* addcdiv_: self + value * t1 / t2 */
+        pi = fmaf(h.neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
         p_out[i] = pi;
         m_out[i] = mi;
         v_out[i] = vi;
