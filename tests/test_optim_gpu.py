@@ -130,25 +130,12 @@ def test_cuda_gpu_assist_parity(fraction, max_norm, monkeypatch):
     assert max_rel_err(ours, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 0.0])
-def test_cuda_gpu_assist_is_bitwise_the_cpu_threads(max_norm, monkeypatch):
-    """On CUDA too the assist's ops round as the CPU threads' pass: shared units, bit for bit the same weights."""
-    model, data = tiny_gpt(device="cuda"), batches(20, micro=2, device="cuda")
-    alone, _ = run_hybrid(copy.deepcopy(model), data, max_norm=max_norm, offload_fraction=1.0,
-                          overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
-    assisted: list[int] = []
-    slow_cpu_threads(monkeypatch, assisted)
-    shared, _ = run_hybrid(copy.deepcopy(model), data, max_norm=max_norm, offload_fraction=1.0,
-                           overlap_cpu_optimizer_d2h_h2d=True, gpu_assist=True)  # fmt: skip
-    assert len(assisted) > 0
-    for (n, a), (_, b) in zip(shared.named_parameters(), alone.named_parameters(), strict=True):
-        assert torch.equal(a, b), n
-
-
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # lerp from either end
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
-    """torch's single-tensor AdamW ops on CUDA (the assist's arithmetic) against fused_adamw.c on the host."""
+    """torch's single-tensor AdamW ops on CUDA (the assist's arithmetic) against fused_adamw.c on the host: bit
+    for bit, so a unit's update does not depend on which worker steps it. (Whole runs are not compared bit for
+    bit on CUDA: two runs of the tiny GPT differed on the H200, the attention backward's atomics most likely.)"""
     if fused_kernel.load() is None:
         pytest.skip("no C compiler: the CPU pass is torch's ops itself")
     g = torch.Generator().manual_seed(0)
@@ -164,15 +151,3 @@ def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
     for a, b in zip(gpu, cpu, strict=True):
         assert torch.equal(a.cpu(), b)
     assert torch.equal(gpu[0].to(torch.bfloat16).cpu(), half)
-
-
-def test_cuda_cpu_pass_is_bitwise_torch_adamw():
-    """All parameters CPU-stepped, unclipped: the weights are bit for bit torch's single-tensor AdamW on CUDA
-    (fused_adamw.c rounds as torch's CUDA kernels), over 20 accumulated, scheduled steps."""
-    model, data = tiny_gpt(device="cuda"), batches(20, micro=2, device="cuda")
-    ref = run_reference(model, data, max_norm=0.0)
-    ours, opt = run_hybrid(copy.deepcopy(model), data, max_norm=0.0, offload_fraction=1.0,
-                           overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
-    assert opt.cpu.lib is not None or fused_kernel.load() is None
-    for (n, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
-        assert torch.equal(a, b), (n, (a - b).abs().max().item())

@@ -8,7 +8,6 @@ CUDA, where torch's kernels round as the C pass does, the GPU assist runs it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +44,8 @@ def adamw_scalars(h: Hyper, step: int, inv_scale: float, coef: float) -> tuple[f
     """(inv_scale, coef, decay, w1, beta2, 1-beta2, sqrt(bias_correction2), eps, -step_size) for step >= 1."""
     bc1 = 1 - h.beta1**step
     bc2 = 1 - h.beta2**step
-    # math.sqrt, as torch.optim takes bias_correction2's root
-    return (inv_scale, coef, 1 - h.lr * h.weight_decay, 1 - h.beta1, h.beta2, 1 - h.beta2, math.sqrt(bc2), h.eps,
+    # bc2**0.5 as torch.optim's single-tensor AdamW takes it (math.sqrt differs in the last bit at times)
+    return (inv_scale, coef, 1 - h.lr * h.weight_decay, 1 - h.beta1, h.beta2, 1 - h.beta2, bc2**0.5, h.eps,
             -h.lr / bc1)  # fmt: skip
 
 

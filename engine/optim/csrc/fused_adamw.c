@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         /* torch's vectorised lerp_: one fused multiply-add from the nearer end */
         mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
         float vi = v[i] * h.beta2;
-        vi = fmaf(h.one_minus_beta2 * gi, gi, vi); /* addcmul_, contracted as torch's build does */
+        vi = fmaf(h.one_minus_beta2, gi * gi, vi); /* CUDA addcmul_: self + value * (t1 * t2), contracted */
         float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
         pi = fmaf(h.neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
         p_out[i] = pi;
