@@ -7,8 +7,8 @@ parameter, plus its gradient), the GPU steps them, the model's weights are writt
 master, m and v go back (12 bytes). PCIe carries that at ~3.5-4.5 G params/s in each direction at
 once while the CPU threads step other units, so the two together finish the CPU-resident part
 sooner than the CPU alone, as far as host DRAM lets them (the copies read and write it too).
-The arithmetic is torch's single-tensor AdamW ops, which round as the CPU threads' pass does: a run
-with the assist is bit for bit the run without it, whichever worker takes which unit.
+The arithmetic is torch's single-tensor AdamW ops, which on CUDA round as the CPU threads' pass does:
+a unit's update is bit for bit the same whichever worker takes it.
 
 States stay in host memory between steps; the GPU holds only 3 staging slots of the largest tensor:
 3 x (16 + 2 or 4) bytes x numel (fp32 master, m, v and gradient, plus the gradient as shipped).

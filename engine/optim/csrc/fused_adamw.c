@@ -10,9 +10,11 @@
  * The arithmetic is torch's single-tensor AdamW (mul_, lerp_, mul_/addcmul_, sqrt, div by a scalar,
  * add_, addcdiv_) as torch's CUDA kernels round it: the same fused multiply-adds, a correctly rounded
  * sqrt, a division by a scalar as a multiply by its reciprocal. So torch's single-tensor AdamW on CUDA
- * (and adam_math.adamw_torch_ there, which the GPU assist runs) gives these bits; GPU tests check both.
+ * (and adam_math.adamw_torch_ there, which the GPU assist runs) gives these bits: a GPU test checks the
+ * latter, and torch.optim.AdamW(foreach=False) was checked once on the H200 (docs/BENCHMARKS.md).
  * Torch's CPU kernels differ in the last bit in places (a true division by the scalar, a sqrt that is
- * not always correctly rounded, addcdiv_ as (value * t1) / t2): within 1e-6 of torch's CPU AdamW.
+ * not always correctly rounded, addcmul_ as (value * t1) * t2, addcdiv_ as (value * t1) / t2): within
+ * 1e-6 of torch's CPU AdamW in the CPU tests.
  * Threading is left to the caller: each call is one slice, called with the GIL released.
  *
  * Streaming stores: an output that does not alias an input (the out-of-place bank, the half copy)
