@@ -96,14 +96,12 @@ class GpuAssist:
                     if coef != 1.0:
                         g32.mul_(coef)  # the same two fp32 multiplies as the GPU-stepped part
                     s = adamw_scalars(hypers[n], steps[n] + 1, 1.0, 1.0)
-                    if self.cuda:
+                    if not self.cuda and self.host_lib is not None:  # host-only runs: the CPU threads' pass
+                        fused_kernel.adamw_slice(self.host_lib, 0, k, sp, sm, sv, g32, None, sp, sm, sv, None, s)
+                    else:
                         # torch's single-tensor ops, not its fused CUDA AdamW: on CUDA they round as the CPU
                         # threads' pass (fused_adamw.c), so a unit's result does not depend on which worker
                         # took it. ~80 bytes of HBM traffic a parameter: ~1 ms a 50 M-parameter layer.
-                        adamw_torch_(sp, sm, sv, g32, None, s)
-                    elif self.host_lib is not None:  # host-only runs (CPU tests): the CPU threads' pass itself
-                        fused_kernel.adamw_slice(self.host_lib, 0, k, sp, sm, sv, g32, None, sp, sm, sv, None, s)
-                    else:
                         adamw_torch_(sp, sm, sv, g32, None, s)
                     p = params[n]
                     p.data.copy_(sp.view(p.shape), non_blocking=self.cuda)
