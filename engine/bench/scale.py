@@ -1,0 +1,326 @@
+"""`bin/bench scale`: one layer shape at a depth that fits without offload and at one that does not.
+
+In one process, on the engine's own training step (`Engine.train_batch`, bf16 half weights, fp32 master
+weights and AdamW states, the stdlib bytes as data), it trains in turn:
+  fit     `--layers-fit` layers, no optimizer offload: the fitting twin, the throughput to aim for;
+  exact   `--layers` layers, `--fraction` of the parameters stepped on the CPU, overlap on;
+  dpu     the same with optimizer.delayed_param_update (when this checkout has it; else the row says so).
+Each model is freed completely (optimizer closed, weak reference checked dead, caches emptied) before
+the next is built: two models at the default shape would not fit on one GPU together.
+
+Per row: median iteration time, tokens/s, model TFLOP/s (formula printed with the table), TFLOP/s over
+the fitting twin's, peak GPU memory, host memory (the engine's accounting and the process's RSS),
+the CPU step's arithmetic time and how much of it the iteration hid. Hidden is estimated from the twin:
+the offloaded model's GPU work alone is taken as the twin's iteration time scaled by the FLOP ratio, so
+exposed = iteration - that, and hidden = CPU step - exposed (clamped to [0, CPU step]). Exposed also
+holds any other cost of offloading (copies the GPU waited for), so hidden is a lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.config import ConfigError, load_config
+from engine.data import TokenBatches, stdlib_bytes
+from engine.models.gpt import GPT
+
+COMMAND = "bin/bench scale"
+VOCAB = 256  # the stdlib bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int = VOCAB
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden
+
+    def params(self) -> int:
+        """All parameters of the built-in GPT (engine/models/gpt.py) at this shape."""
+        h, f = self.hidden, self.ffn
+        per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h  # qkv, proj, fc1, fc2, 2 LN
+        return self.layers * per_layer + self.vocab * h + self.seq * h + 2 * h + h * self.vocab
+
+    def matmul_params(self) -> int:
+        """N: the weights that multiply activations (embedding lookups, biases and norms excluded)."""
+        h, f = self.hidden, self.ffn
+        return self.layers * (4 * h * h + 2 * h * f) + h * self.vocab
+
+    def flops_per_token(self) -> dict[str, float]:
+        """Model FLOPs per trained token (forward + backward; recompute not counted)."""
+        dense = 6 * self.matmul_params()
+        attention = 12 * self.layers * self.hidden * self.seq  # the full s x s scores, as Megatron/PaLM count
+        causal = 6 * self.layers * self.hidden * (self.seq + 1)  # only the scores a causal kernel must compute
+        return {"dense": dense, "attention": attention, "total": dense + attention, "causal_total": dense + causal}
+
+
+FORMULA = """\
+FLOPs per token = 6*N + 12*L*h*s  (forward 2 per multiply-add, backward twice the forward)
+  N = L*(4*h^2 + 2*h*f) + h*V: the matmul weights (qkv 3h^2, proj h^2, fc1 h*f, fc2 f*h, output head h*V);
+      embedding lookups, biases, norms, GELU, softmax and the loss are not counted
+  12*L*h*s: per layer, QK^T and softmax(QK^T)V each 2*h*s forward over the full s x s scores, x3 with
+      the backward: the convention of Megatron's and PaLM's MFU, so the figures compare with published ones.
+      The causal kernel computes about half of those scores; counted that way the term is 6*L*h*(s+1)"""
+
+
+@dataclass
+class Row:
+    name: str
+    layers: int
+    params: int
+    fraction: float
+    dpu: bool
+    iter_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops: float = 0.0
+    vs_fit: float | None = None
+    peak_gpu_bytes: int | None = None
+    host_engine_bytes: int = 0
+    host_rss_bytes: int = 0
+    cpu_step_ms: float | None = None
+    exposed_ms: float | None = None
+    hidden_ms: float | None = None
+    losses: list[float] = field(default_factory=list)
+    delayed_steps: list[int] = field(default_factory=list)
+    setup_s: float = 0.0
+    unavailable: str | None = None
+
+
+def _rss_bytes() -> int:
+    """The process's resident memory now (Linux); elsewhere its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, extra: dict | None = None) -> dict:
+    offload = fraction > 0
+    cfg = {
+        "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
+                  "seq_length": shape.seq, "vocab_size": shape.vocab},
+        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr, "weight_decay": 0.1, "adam_beta1": 0.9,
+                      "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
+                      "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
+                      "use_distributed_optimizer": offload,
+                      "cpu_optimizer_threads": a.cpu_threads},
+        "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
+                  "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed},
+        "logging": {"metrics_file": None, "progress_bar": False},
+    }  # fmt: skip
+    if dpu:
+        cfg["optimizer"]["delayed_param_update"] = True
+    for path, value in (extra or {}).items():
+        ns, key = path.split(".", 1)
+        cfg.setdefault(ns, {})[key] = value
+    return cfg
+
+
+def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float) -> str | None:
+    """Why this checkout cannot run the DPU row (the config's own message), or None when it can."""
+    try:
+        load_config(_config(a, shape, fraction, True))
+    except ConfigError as e:
+        return "; ".join(e.errors)
+    return None
+
+
+def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
+    """--fraction as a number, or "auto": the memory plan's fraction for the offloaded shape."""
+    if a.fraction != "auto":
+        return float(a.fraction)
+    try:
+        from engine.plan import plan
+    except ImportError:
+        raise SystemExit(f"{COMMAND}: --fraction auto needs the memory plan (engine.plan), not in this checkout; "
+                         "give --fraction 0.3") from None  # fmt: skip
+    cfg = _config(a, shape, 0.3, False, {"optimizer.optimizer_offload_fraction": "auto"})
+    return float(plan(load_config(cfg)).fraction)
+
+
+def _model(shape: Shape, device: torch.device, seed: int) -> GPT:
+    torch.manual_seed(seed)  # the same initial weights for the exact and the DPU row
+    with torch.device(device):
+        model = GPT(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                    seq_length=shape.seq, vocab_size=shape.vocab)  # fmt: skip
+    return model.to(torch.bfloat16)
+
+
+def _empty_caches() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        for name in ("_host_emptyCache", "_cuda_hostEmptyCache"):  # pinned blocks torch's host allocator keeps
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
+
+
+def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu: bool, tokens) -> Row:
+    """Train `shape` for warmup + iters steps through the engine, then free everything it built."""
+    from engine.engine import initialize
+
+    row = Row(name, shape.layers, shape.params(), fraction, dpu)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=_config(a, shape, fraction, dpu))
+    row.setup_s = time.perf_counter() - t0
+    alive = weakref.ref(eng.module)
+    data = TokenBatches(tokens, shape.seq, a.micro_batch, a.seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, cpu_steps, rss = [], [], []
+    opt = eng.optimizer
+    for i in range(a.warmup + a.iters):
+        t = time.perf_counter()
+        row.losses.append(eng.train_batch(data))  # .item() of the loss: waits for the GPU's work, not the CPU step
+        times.append(time.perf_counter() - t)
+        rss.append(_rss_bytes())
+        if getattr(opt, "last_step_delayed", False):
+            row.delayed_steps.append(eng.iteration)
+        cpu = getattr(opt, "cpu", None)
+        if cpu is not None and i > a.warmup:  # the previous step's CPU work, finished before this iteration's end
+            cpu_steps.append(cpu.timing["compute_s"])
+    eng.synchronize()
+    row.iter_ms = 1e3 * statistics.median(times[a.warmup :])
+    row.tokens_per_s = a.global_batch * shape.seq / (row.iter_ms / 1e3)
+    row.tflops = row.tokens_per_s * shape.flops_per_token()["total"] / 1e12
+    row.peak_gpu_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    row.host_engine_bytes = eng.host_bytes()
+    row.host_rss_bytes = max(rss)
+    row.cpu_step_ms = 1e3 * statistics.median(cpu_steps) if cpu_steps else None
+    if hasattr(opt, "close"):
+        opt.close()  # its hooks on the model hold it, and its threads and host buffers
+    del eng, opt, data
+    _empty_caches()
+    if alive() is not None:
+        raise RuntimeError(f"{COMMAND}: the {name} model is still referenced after its run; the next would not fit")
+    return row
+
+
+def _hidden(rows: list[Row], fit: Row, fit_shape: Shape, shape: Shape) -> None:
+    scale = shape.flops_per_token()["total"] / fit_shape.flops_per_token()["total"]
+    for r in rows:
+        if r.unavailable:
+            continue
+        r.vs_fit = r.tflops / fit.tflops
+        if r.cpu_step_ms is not None:
+            r.exposed_ms = max(0.0, r.iter_ms - fit.iter_ms * scale)
+            r.hidden_ms = min(r.cpu_step_ms, max(0.0, r.cpu_step_ms - r.exposed_ms))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit | peak GPU | host (engine) | host RSS "
+           "| CPU step | exposed | hidden | loss first -> last |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        head = f"| {r.name} | {r.layers} | {_count(r.params)} | {r.fraction} |"
+        if r.unavailable:
+            out.append(f"{head} not available: {r.unavailable} |")
+            continue
+        ms = lambda x: "-" if x is None else f"{x:.0f} ms"  # noqa: E731
+        hid = ms(r.hidden_ms) + (f" ({r.hidden_ms / r.cpu_step_ms:.0%})" if r.hidden_ms is not None and
+                                 r.cpu_step_ms else "")  # fmt: skip
+        out.append(f"{head} {r.iter_ms:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.4g} | "
+                   f"{'-' if r.vs_fit is None else f'{r.vs_fit:.0%}'} | {_gib(r.peak_gpu_bytes)} | "
+                   f"{_gib(r.host_engine_bytes)} | {_gib(r.host_rss_bytes)} | {ms(r.cpu_step_ms)} | "
+                   f"{ms(r.exposed_ms)} | {hid} | {r.losses[0]:.4f} -> {r.losses[-1]:.4f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    ap.add_argument("--layers-fit", type=int, default=16, help="depth of the twin that fits without offload")
+    ap.add_argument("--layers", type=int, default=40, help="depth that needs optimizer offload")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 128)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--fraction", default="0.3", help='CPU-stepped fraction of the deep model, or "auto" (the plan)')
+    ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
+    ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
+    ap.add_argument("--data-bytes", type=int, default=16 << 20, help="stdlib bytes to draw windows from")
+    ap.add_argument("--json", default=None, help="write the rows and the formula here as JSON")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    heads = a.heads or max(1, a.hidden // 128)
+    fit_shape = Shape(a.layers_fit, a.hidden, heads, a.seq)
+    shape = Shape(a.layers, a.hidden, heads, a.seq)
+    fraction = resolve_fraction(a, shape)
+    tokens = stdlib_bytes(a.data_bytes)
+    fpt = shape.flops_per_token()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)"
+    print(f"{COMMAND}: hidden {a.hidden}, {heads} heads, seq {a.seq}, micro-batch {a.micro_batch}, global batch "
+          f"{a.global_batch}, bf16 half weights, fp32 master + AdamW states; {a.warmup} warm-up + {a.iters} measured "
+          f"iterations per row (median); {device}", flush=True)  # fmt: skip
+    wanted = set(a.rows.split(","))
+    rows: list[Row] = []
+    plan = [("fit", fit_shape, 0.0, False), ("exact", shape, fraction, False), ("dpu", shape, fraction, True)]
+    for name, shp, f, dpu in plan:
+        if name not in wanted:
+            continue
+        why = dpu_unavailable(a, shp, f) if dpu else None
+        if why:
+            row = Row(name, shp.layers, shp.params(), f, dpu, unavailable=why)
+        else:
+            row = run_row(a, name, shp, f, dpu, tokens)
+            print(f"  done {name}: {row.iter_ms:.1f} ms/iter, setup {row.setup_s:.1f} s, losses "
+                  + " ".join(f"{x:.3f}" for x in row.losses), flush=True)  # fmt: skip
+        rows.append(row)
+    fit = next((r for r in rows if r.name == "fit"), None)
+    if fit is not None:
+        _hidden(rows, fit, fit_shape, shape)
+    print()
+    print(FORMULA)
+    for s in (fit_shape, shape):
+        f = s.flops_per_token()
+        print(f"  L={s.layers}: N={s.matmul_params():,} -> {f['dense']:.4g} + {f['attention']:.4g} = "
+              f"{f['total']:.4g} FLOPs/token (causal-counted: {f['causal_total']:.4g})")  # fmt: skip
+    print("hidden = CPU step - exposed; exposed = ms/iter - the fit row's ms/iter x the FLOP ratio "
+          f"({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})")
+    print()
+    print(table(rows))
+    print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"formula": FORMULA, "rows": [asdict(r) for r in rows], "argv": argv}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""bin/bench scale on CPU at a tiny shape: the rows, their fields, the FLOP formula and the freeing between rows."""
+
+import json
+
+import pytest
+
+from engine.bench import scale
+from engine.models.gpt import GPT
+
+TINY = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2",
+        "--iters", "2", "--warmup", "1", "--data-bytes", "100000"]  # fmt: skip
+
+
+@pytest.mark.parametrize("layers,hidden,seq", [(2, 64, 32), (3, 128, 16)])
+def test_shape_counts_the_built_in_gpt(layers, hidden, seq):
+    model = GPT(num_layers=layers, hidden_size=hidden, num_attention_heads=4, seq_length=seq, vocab_size=256)
+    assert scale.Shape(layers, hidden, 4, seq).params() == sum(p.numel() for p in model.parameters())
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n)
+    assert scale.Shape(layers, hidden, 4, seq).matmul_params() == matmul
+
+
+def test_flops_per_token_at_the_issue_shape():
+    f = scale.Shape(16, 4096, 32, 2048).flops_per_token()
+    n = 16 * 12 * 4096**2 + 4096 * 256
+    assert f["dense"] == 6 * n
+    assert f["attention"] == 12 * 16 * 4096 * 2048
+    assert f["causal_total"] == 6 * n + 6 * 16 * 4096 * 2049
+
+
+def test_bench_scale_rows_on_cpu(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert scale.main([*TINY, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "FLOPs per token = 6*N + 12*L*h*s" in text
+    assert "| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit |" in text
+    rows = {r["name"]: r for r in json.load(open(out))["rows"]}
+    assert set(rows) == {"fit", "exact", "dpu"}
+    fit, exact = rows["fit"], rows["exact"]
+    assert fit["fraction"] == 0.0 and exact["fraction"] == 0.3
+    assert fit["layers"] == 1 and exact["layers"] == 2
+    for r in (fit, exact):
+        assert r["iter_ms"] > 0 and r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["host_rss_bytes"] > 0
+        assert len(r["losses"]) == 3
+    assert fit["vs_fit"] == 1.0
+    assert fit["cpu_step_ms"] is None and fit["host_engine_bytes"] == 0
+    assert exact["cpu_step_ms"] is not None and exact["host_engine_bytes"] > 0
+    assert exact["hidden_ms"] <= exact["cpu_step_ms"]
+    if rows["dpu"]["unavailable"] is None:  # this checkout has the delayed update: the row ran
+        assert rows["dpu"]["iter_ms"] > 0
+    else:
+        assert "delayed_param_update" in rows["dpu"]["unavailable"] and rows["dpu"]["iter_ms"] == 0
+
+
+def test_each_model_is_freed_before_the_next(monkeypatch):
+    """The bench refuses to go on while a previous model is still referenced (it would not fit on a GPU)."""
+    kept = []
+    real = scale._model
+
+    def keep(*args):
+        kept.append(real(*args))
+        return kept[-1]
+
+    monkeypatch.setattr(scale, "_model", keep)
+    with pytest.raises(RuntimeError, match="still referenced"):
+        scale.main([*TINY, "--rows", "fit"])
