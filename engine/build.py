@@ -81,4 +81,5 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
         cpu_threads=o.cpu_optimizer_threads,
         accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
         gpu_assist=o.cpu_offload_gpu_assist,
+        speculation_buffer_mb=o.speculation_buffer_mb,
     )

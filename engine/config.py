@@ -78,6 +78,7 @@ class OptimizerConfig:
     cpu_optimizer_threads: int | None = None
     accumulate_allreduce_grads_in_fp32: bool = True
     delayed_param_update: bool = False
+    speculation_buffer_mb: int = 2048
     cpu_offload_gpu_assist: bool = False
 
 

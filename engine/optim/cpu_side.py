@@ -49,6 +49,7 @@ class CpuPart:
         speculate: bool = False,
         hyper_source: Callable[[], list[Hyper]] | None = None,
         gpu_assist: bool = False,
+        speculation_buffer_bytes: int = 2048 << 20,
     ) -> None:
         """entries: (name, param, group index, unit) in forward order.
 
@@ -101,7 +102,7 @@ class CpuPart:
         # cur[name] = (master, m, v) views in use; alt[name] the other bank, where speculation writes
         self.cur = {n: (self.master[n], getattr(self, "m", None) and self.m[n], getattr(self, "v", None) and self.v[n])
                     for n in self.params}  # fmt: skip
-        self.speculate = bool(speculate and kind == "adam" and not self.inner)
+        self.speculate = bool(speculate and kind == "adam" and not self.inner and speculation_buffer_bytes > 0)
         self.hyper_source = hyper_source
         self.alt: dict[str, tuple] = {}
         if self.speculate:

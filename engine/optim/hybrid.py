@@ -105,6 +105,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         accumulate_grads_in_fp32: bool = True,
         delayed_param_update: bool = False,
         gpu_assist: bool = False,
+        speculation_buffer_mb: int = 2048,
     ) -> None:
         kind = options.choice("optimizer", optimizer, ("adam", "sgd"))
         fraction = options.number_in("offload_fraction", offload_fraction, 0.0, 1.0)
@@ -124,6 +125,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             momentum=options.number_in("momentum", momentum, 0.0, 1.0),
         )
         threads = options.threads(cpu_threads) or default_cpu_threads()
+        spec_mb = options.whole_number("speculation_buffer_mb", speculation_buffer_mb)
         named_groups = _named_groups(params)
         for g in named_groups:  # per-group overrides are validated like the defaults
             for k in ("lr", "weight_decay", "eps"):
@@ -149,7 +151,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 group_of[n] = gi
         self._group_of = group_of
         self._side_options = dict(kind=kind, use_torch=use_torch_optimizer_for_cpu_offload, pin_grads=pin_cpu_grads,
-                                  pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist)  # fmt: skip
+                                  pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist,
+                                  speculation_buffer_bytes=spec_mb << 20)  # fmt: skip
         self._order = forward_order(self.names)  # attach_model replaces it with the model's own order
         self.cpu_names = split_for_offload(self._named(), fraction) if fraction > 0 else set()
         self.gpu: GpuPart | None = None  # both sides are built on first use, so attach_model can

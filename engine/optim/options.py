@@ -14,6 +14,7 @@ CONFIG_KEY = {
     "eps": "optimizer.adam_eps",
     "momentum": "optimizer.sgd_momentum",
     "cpu_threads": "optimizer.cpu_optimizer_threads",
+    "speculation_buffer_mb": "optimizer.speculation_buffer_mb",
 }
 
 
@@ -60,4 +61,10 @@ def threads(value: object) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise _fail("cpu_threads", value, "None (physical cores minus one) or an integer >= 1")
+    return value
+
+
+def whole_number(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _fail(name, value, "an integer >= 0")
     return value

@@ -1,0 +1,89 @@
+"""Host memory of the CPU-stepped part, by part: pure arithmetic, no allocation.
+
+The memory plan calls `cpu_side_host_bytes` for the host's optimizer parts and `CpuPart.host_bytes()`
+walks the tensors the CPU part really holds; a test holds the two equal. What grows with the model:
+
+  master, exp_avg, exp_avg_sq   12 B per CPU-stepped parameter (fp32), 8 B for SGD (master + momentum)
+  grad_staging                  one gradient per CPU-stepped parameter in the dtype it is shipped in:
+                                clipping needs the global norm of every gradient before any exact update,
+                                so each one waits on the host until the clip factor is known
+
+What is bounded (by the largest layer unit or by `optimizer.speculation_buffer_mb`, not by the depth):
+
+  weight_staging   half weights only: a ring of WEIGHT_RING pinned buffers of the largest unit, each reused
+                   after its host-to-device copy has read it (fp32 weights travel from the master itself)
+  grad_scratch     torch.optim's CPU step (SGD, use_torch_optimizer_for_cpu_offload): the fp32 gradient of
+                   one unit at a time
+  speculation      spare master/m/v (and half weights) for the units stepped out of place during backward,
+                   chosen in backward order while they fit the bound; a committed unit swaps its storage
+                   with its spare, so the spares' sizes never change
+"""
+
+from __future__ import annotations
+
+WEIGHT_RING = 2  # half-weight upload buffers: one being filled by the CPU step while the other is copied
+_FP32 = 4
+
+
+def speculation_units(unit_numels: list[int], spare_bytes_per_element: int, budget_bytes: int) -> list[int]:
+    """Indices into unit_numels of the units given a spare, in backward order (last unit first).
+
+    A unit's spare holds spare_bytes_per_element bytes per element; units are taken while the sum fits
+    budget_bytes, skipping any that would not fit (a smaller one later may).
+    """
+    chosen, used = [], 0
+    for i in reversed(range(len(unit_numels))):
+        b = unit_numels[i] * spare_bytes_per_element
+        if b and used + b <= budget_bytes:
+            chosen.append(i)
+            used += b
+    return chosen
+
+
+def speculates(kind: str, use_torch: bool, speculate: bool, speculation_buffer_bytes: int) -> bool:
+    """Whether the CPU part steps units out of place during backward (the engine's own AdamW only)."""
+    return speculate and kind == "adam" and not use_torch and speculation_buffer_bytes > 0
+
+
+def cpu_side_host_bytes(
+    unit_numels: list[int],
+    *,
+    kind: str,
+    use_torch: bool,
+    half_bytes: int,
+    grad_bytes: int,
+    speculate: bool,
+    speculation_buffer_bytes: int,
+) -> dict[str, int]:
+    """Bytes of host memory the CPU-stepped part holds in steady state (after its first step), by part.
+
+    unit_numels: elements of each CPU-stepped layer unit, forward order. kind: "adam" or "sgd".
+    use_torch: torch.optim steps the host part (use_torch_optimizer_for_cpu_offload). half_bytes: 0 for
+    fp32 weights, else the half dtype's size (2). grad_bytes: bytes per element of the shipped gradient.
+    speculate: overlap is on (speculation needs it). For SGD "momentum_buffer" is torch's, which exists only
+    with a momentum above 0 (the plan counts it either way).
+    """
+    if kind not in ("adam", "sgd"):
+        raise ValueError(f"kind={kind!r}: expected 'adam' or 'sgd'")
+    for name, val in (("half_bytes", half_bytes), ("grad_bytes", grad_bytes),
+                      ("speculation_buffer_bytes", speculation_buffer_bytes)):  # fmt: skip
+        if val < 0:
+            raise ValueError(f"{name}={val} is invalid: expected >= 0")
+    n = sum(unit_numels)
+    largest = max(unit_numels, default=0)
+    parts = {"master": _FP32 * n}
+    if kind == "adam":
+        parts["exp_avg"] = _FP32 * n
+        parts["exp_avg_sq"] = _FP32 * n
+    else:
+        parts["momentum_buffer"] = _FP32 * n
+    parts["grad_staging"] = grad_bytes * n
+    parts["grad_scratch"] = _FP32 * largest if (use_torch or kind != "adam") else 0
+    parts["weight_staging"] = min(WEIGHT_RING, len(unit_numels)) * half_bytes * largest
+    spec = 0
+    if speculates(kind, use_torch, speculate, speculation_buffer_bytes):
+        per_elem = 3 * _FP32 + half_bytes
+        chosen = speculation_units(unit_numels, per_elem, speculation_buffer_bytes)
+        spec = sum(unit_numels[i] * per_elem for i in chosen)
+    parts["speculation"] = spec
+    return parts
