@@ -1,12 +1,17 @@
-"""`bin/train`: train the configured model from the command line (thin scripts in bin/ call here)."""
+"""`bin/train` and `bin/bench` (console scripts `offload-train`, `offload-bench`): the command lines.
+
+The scripts in bin/ and the console scripts pyproject.toml declares are thin callers of `train_main` and
+`bench_main`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -14,13 +19,13 @@ from engine import checkpoint, dist
 from engine.config import Config, ConfigError, load_config
 from engine.engine import initialize
 from engine.metrics import MetricsLog, format_bytes
+from engine.resources import data_path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.json"
+DEFAULT_CONFIG = data_path("configs", "default.json")  # inside the wheel, or configs/ in a checkout
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bin/train",
         description="Train with offload-engine. CONFIG is a JSON file (default: configs/default.json); "
         "key=value overrides use the schema's dotted names, e.g. optimizer.optimizer_offload_fraction=0.5.",
     )
@@ -35,6 +40,22 @@ def _split_args(args: list[str]) -> tuple[str, list[str]]:
     if args and "=" not in args[0]:
         return args[0], args[1:]
     return str(DEFAULT_CONFIG), args
+
+
+BENCHES = {
+    "optimizer": "engine.bench.optimizer",
+    "activations": "engine.bench.activations",
+    "scale": "engine.bench.scale",
+}
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`bin/bench <name> [options]`: runs one of engine/bench's modules (each prints its table and command)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: {os.path.basename(sys.argv[0])} {{{'|'.join(BENCHES)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
 
 
 def train(cfg: Config) -> MetricsLog:

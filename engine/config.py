@@ -25,8 +25,9 @@ from typing import Any, Literal, get_type_hints
 from jsonschema import Draft202012Validator
 
 from engine.config_rules import NOT_BUILT, RULES, _blocked
+from engine.resources import data_path
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "engine.schema.json"
+SCHEMA_PATH = data_path("schemas", "engine.schema.json")  # inside the wheel, or schemas/ in a checkout
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ def test_section_dataclass_equals_schema(section):
         assert _hint_atoms(hints[key]) == _schema_atoms(prop), key
 
 
-def test_schema_is_located_next_to_the_package():
+def test_a_checkout_reads_the_top_level_schema():
+    # schemas/ is the source of truth; a wheel carries a copy inside the package (tests/test_install.py)
     assert SCHEMA_PATH == ROOT / "schemas" / "engine.schema.json"
     assert load_schema() is load_schema()  # loaded once
 
