@@ -58,15 +58,29 @@ def bench_main(argv: list[str] | None = None) -> int:
     return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
 
 
+def _checkpoint_to_load(cfg: Config) -> str | None:
+    """checkpoint.load when it holds a checkpoint; None to start fresh (only with checkpoint.load_if_exists)."""
+    load = cfg.checkpoint.load
+    if load is None:
+        return None
+    try:
+        checkpoint.resolve(load)
+    except checkpoint.NoCheckpointError as e:
+        if not cfg.checkpoint.load_if_exists:
+            raise ConfigError([str(e)]) from None
+        dist.log(f"checkpoint.load={load!r} holds no checkpoint yet: starting from iteration 0 "
+                 "(checkpoint.load_if_exists=true)")  # fmt: skip
+        return None
+    return load
+
+
 def train(cfg: Config) -> MetricsLog:
     """Runs `cfg` to `train.train_iters`, logging metrics and saving checkpoints as configured."""
+    load = _checkpoint_to_load(cfg)
     eng, _, _ = initialize(config=cfg)
-    if cfg.checkpoint.load:
-        if checkpoint.latest_folder(cfg.checkpoint.load) is None:
-            dist.log(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint yet: starting from iteration 0")
-        else:
-            eng.load_checkpoint(cfg.checkpoint.load)
-            dist.log(f"resumed from {cfg.checkpoint.load} at iteration {eng.iteration}")
+    if load:
+        eng.load_checkpoint(load)
+        dist.log(f"resumed from {load} at iteration {eng.iteration}")
     eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
     log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
     tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
@@ -142,7 +156,8 @@ def train_main(argv: list[str] | None = None) -> int:
     except Exception as e:  # one line for users; --debug shows the traceback
         if args.debug:
             raise
-        ours = isinstance(e, (ValueError, FileNotFoundError))  # raised with a message naming the key
+        # raised with a message naming the key
+        ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError))
         message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
         print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

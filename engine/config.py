@@ -117,6 +117,8 @@ class CheckpointConfig:
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
+    load_if_exists: bool = False
+    keep_last: int | None = None
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,18 @@ def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         )
 
 
+@_rule("checkpoint.save", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.load",
+       "checkpoint.load_if_exists")
+def _checkpoint_keys_need_their_folder(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    k = c.checkpoint
+    for key, needs, used in (("save_interval", "save", k.save_interval is not None),
+                             ("keep_last", "save", k.keep_last is not None),
+                             ("load_if_exists", "load", k.load_if_exists)):
+        if used and getattr(k, needs) is None:
+            yield Problem(f"checkpoint.{key}", f"acts only with checkpoint.{needs} set; set checkpoint.{needs} "
+                                               f"or unset checkpoint.{key}")  # fmt: skip
+
+
 def _blocked(reads: Sequence[str], bad: set[str]) -> bool:
     """True when a path the rule reads (or its section, or one of its items) failed validation."""
     return any(r == b or r.startswith(b + ".") or b.startswith(r + "[") for r in reads for b in bad)

@@ -199,13 +199,28 @@ class Engine:
             "data": dist.data_state(self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None),
             "client_state": client_state or {},
         }
-        return str(dist.on_main(lambda: checkpoint.save(save_dir, self.iteration, state)))  # rank 0 writes
+        keep = self.config.checkpoint.keep_last
+        return str(dist.on_main(lambda: checkpoint.save(save_dir, self.iteration, state, keep)))  # rank 0 writes
 
     def load_checkpoint(self, load_dir: str) -> dict:
-        """Restores the newest checkpoint under `load_dir`; returns its client_state."""
+        """Restores the newest checkpoint under `load_dir` (or the `iter_*` folder it names) after verifying
+        every byte against its manifest; returns its client_state."""
         state = checkpoint.load(load_dir)
+        if (why := checkpoint.state_mismatch(self.module.state_dict(), state["model"])) is not None:
+            raise checkpoint.CheckpointError(
+                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}) does not fit this model: "
+                f"{why}; load it with the model.* settings it was saved with"
+            )
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise checkpoint.CheckpointError(
+                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}): its optimizer state does "
+                f"not fit optimizer.* of this run ({type(e).__name__}: {first}); resume with the optimizer "
+                "settings it was saved with"
+            ) from e
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.scaler.load_state_dict(state["loss_scaler"])
         torch.set_rng_state(state["rng"]["cpu"])
