@@ -404,6 +404,12 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"model\.recompute_granularity=\"selective\": the built-in GPT's selective recompute is not built for "
          r"Transformer Engine layers"),
     ],
+    "_checkpoint_keys_need_their_folder": [
+        (["checkpoint.keep_last=2"], 1, r"checkpoint\.keep_last=2: acts only with checkpoint\.save set; set "),
+        (["checkpoint.save_interval=5"], 1, r"checkpoint\.save_interval=5: acts only with checkpoint\.save set"),
+        (["checkpoint.load_if_exists=true"], 1,
+         r"checkpoint\.load_if_exists=true: acts only with checkpoint\.load set; set checkpoint\.load or unset"),
+    ],
     "_warmup_within_training": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
@@ -423,6 +429,8 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["train.precision=fp16", "train.loss_scale=1024", "train.loss_scale_window=10"], 1, "fp16"),
     (["train.params_dtype=half", "train.precision=fp16"], 1, "half weights need"),
     (["optimizer.lr_warmup_iters=100"], 1, "lr_warmup_iters"),
+    (["checkpoint.save=x", "checkpoint.keep_last=2", "checkpoint.save_interval=5"], 1, "acts only with"),
+    (["checkpoint.load=x", "checkpoint.load_if_exists=true"], 1, "acts only with"),
 ]
 
 

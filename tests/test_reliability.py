@@ -3,11 +3,8 @@ what `checkpoint.load` accepts, and the checkpoint keys' rules."""
 
 from __future__ import annotations
 
-import pytest
-
 from engine import checkpoint
 from engine.cli import train_main
-from tests.test_config import errors_of
 
 TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
         "model.seq_length=32", "data.max_bytes=65536", "train.global_batch_size=2", "train.micro_batch_size=2",
@@ -54,16 +51,3 @@ def test_corrupted_checkpoint_exits_1_with_one_line(tmp_path, capsys):
     assert err.strip().splitlines() == [
         f"error: checkpoint {state} (iteration 1) has changed since it was saved (its sha256 differs from the "
         f"manifest); refusing to load it; no intact older checkpoint in {tmp_path}"]
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["checkpoint.keep_last=2"], "checkpoint.keep_last=2: acts only with checkpoint.save set"),
-        (["checkpoint.save_interval=5"], "checkpoint.save_interval=5: acts only with checkpoint.save set"),
-        (["checkpoint.load_if_exists=true"], "checkpoint.load_if_exists=true: acts only with checkpoint.load set"),
-    ],
-)
-def test_checkpoint_keys_without_their_folder_are_rejected(overrides, message):
-    assert any(e.startswith(message) for e in errors_of(overrides)), errors_of(overrides)
-    assert errors_of([*overrides, "checkpoint.save=x", "checkpoint.load=x"]) == []
