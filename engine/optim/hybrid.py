@@ -3,7 +3,10 @@
 Composition (each mechanism in its own module):
   partition.py   which parameters the CPU steps (the output end) and their layer units
   gpu_side.py    the rest: fp32 masters and a fused torch optimizer on the GPU
-  cpu_side.py    host buffers, gradient D2H, the fused CPU step on worker threads, weight H2D
+  cpu_side.py    the CPU part's step scheduler (driver thread, speculation, commit), built from
+                 host_state.py (host tensors: masters, states, spares, staging), cpu_arith.py (the CPU
+                 AdamW pass / torch.optim) and cpu_transfer.py (gradient D2H, weight H2D, events);
+                 host_plan.py predicts its host bytes without allocating
   gpu_assist.py  optional (gpu_assist=True): the GPU steps some host-resident units alongside the CPU
 This module owns the bookkeeping between them: gradient accumulation (fp32 where asked),
 the global gradient norm and clipping, LR and hyperparameters from `param_groups`, and the
@@ -153,20 +156,34 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._side_options = dict(kind=kind, use_torch=use_torch_optimizer_for_cpu_offload, pin_grads=pin_cpu_grads,
                                   pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist,
                                   speculation_buffer_bytes=spec_mb << 20)  # fmt: skip
-        self._order = forward_order(self.names)  # attach_model replaces it with the model's own order
-        self.cpu_names = split_for_offload(self._named(), fraction) if fraction > 0 else set()
-        self.gpu: GpuPart | None = None  # both sides are built on first use, so attach_model can
-        self.cpu: CpuPart | None = None  # still move the split without building it twice
+        self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
+        self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
+        self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
         self._grad_final = True
         self._main_grads: dict[str, torch.Tensor] = {}  # fp32 sums of half gradients over micro-batches
         self._cpu_norms: dict[str, torch.Tensor] = {}  # per-tensor norms of shipped CPU gradients
         self._attached = False
         self._norm_order = list(self.names)  # attach_model replaces it with the model's parameter order
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named()]
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in
+                              self.params_by_name.items()]  # fmt: skip
         self._pre_hooks: list = []
 
     def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, self.params_by_name[n]) for n in self._order]
+        return [(n, self.params_by_name[n]) for n in self._partition()[0]]
+
+    def _partition(self) -> tuple[list[str], frozenset[str]]:
+        """(names in forward order, names the CPU steps): computed once, at first use, in the model's order
+        when attach_model came first (else the order of the params given)."""
+        if self._split is None:
+            order = forward_order(self._norm_order)
+            named = [(n, self.params_by_name[n]) for n in order]
+            cpu = split_for_offload(named, self.offload_fraction) if self.offload_fraction > 0 else set()
+            self._split = (order, frozenset(cpu))
+        return self._split
+
+    @property
+    def cpu_names(self) -> frozenset[str]:
+        return self._partition()[1]
 
     def _build(self) -> None:
         if self.gpu is not None:
@@ -279,19 +296,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- model hooks
     def attach_model(self, model: torch.nn.Module) -> None:
-        """Forward pre-hooks on each CPU-stepped layer unit: the forward waits there, per layer, for its update."""
+        """Forward pre-hooks on each CPU-stepped layer unit: the forward waits there, per layer, for its update.
+
+        Call it before the first step: the split between CPU and GPU is made once, at first use, in the model's
+        parameter order when the model is attached by then (it decides which layers sit at the output end)."""
         model_order = [n for n, _ in model.named_parameters() if n in self.params_by_name]
         self._norm_order = model_order + [n for n in self.names if n not in set(model_order)]
-        order = forward_order(self._norm_order)
-        split = split_for_offload([(n, self.params_by_name[n]) for n in order], self.offload_fraction)
-        if self.offload_fraction > 0 and (order != self._order or split != self.cpu_names):
-            # the model's order decides the split; state built on the old split moves over by name
-            state = self.state_dict() if self.gpu is not None else None
-            self._close_sides()
-            self._order, self.cpu_names = order, split
-            if state is not None:
-                self._build()
-                self.load_state_dict(state)
         self._build()
         if self.cpu is None or self._attached:
             self._attached = True

@@ -1,0 +1,140 @@
+"""The CPU part's arithmetic: what one step computes on the host, apart from where tensors live and when.
+
+FusedAdamW        the engine's AdamW over flat fp32 tensors: the compiled pass (fused_kernel) in slices on
+                  worker threads (ctypes releases the GIL), or torch's single-tensor ops where it did not
+                  build. In place or out of place (the speculative step), with the half weights written in
+                  the same pass.
+TorchOptimizers   torch.optim on the host masters, one optimizer per layer unit so units still step and
+                  travel back one by one (SGD, or use_torch_optimizer_for_cpu_offload); it owns its states.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.optim import fused_kernel
+from engine.optim.adam_math import Hyper, adamw_torch_, apply_hypers
+
+_MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+@dataclass(frozen=True)
+class TensorStep:
+    """AdamW on one parameter's flat fp32 state (p, m, v) with gradient g (any float dtype), results into
+    (p_out, m_out, v_out) (the same tensors for an in-place step) and, when given, its half weights."""
+
+    p: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    p_out: torch.Tensor
+    m_out: torch.Tensor
+    v_out: torch.Tensor
+    half_out: torch.Tensor | None
+    scalars: tuple[float, ...]  # adam_math.adamw_scalars
+
+    @property
+    def in_place(self) -> bool:
+        return self.p_out is self.p
+
+
+class FusedAdamW:
+    def __init__(self, lib, threads: int) -> None:
+        """lib: fused_kernel.load()'s library, or None for torch's ops."""
+        self.lib = lib
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam")
+
+    def step(self, steps: list[TensorStep]) -> None:
+        futs: list[Future] = []
+        for s in steps:
+            if self.lib is None:
+                if not s.in_place:
+                    s.p_out.copy_(s.p), s.m_out.copy_(s.m), s.v_out.copy_(s.v)
+                adamw_torch_(s.p_out, s.m_out, s.v_out, s.g, None, s.scalars)
+                if s.half_out is not None:
+                    s.half_out.copy_(s.p_out)
+                continue
+            numel = s.p.numel()
+            chunk = max(_MIN_SLICE, -(-numel // self.threads))
+            for a in range(0, numel, chunk):
+                b = min(numel, a + chunk)
+                futs.append(self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, s.p, s.m, s.v, s.g, None,
+                                             s.p_out, s.m_out, s.v_out, s.half_out, s.scalars))  # fmt: skip
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+class TorchOptimizers:
+    def __init__(self, kind: str, units: dict[str, list[str]], master: dict[str, torch.Tensor],
+                 group_of: dict[str, int]) -> None:  # fmt: skip
+        """master: name -> its fp32 master (1-D), stepped in place; these tensors key the optimizers' states."""
+        self.kind = kind
+        self.units = units
+        self.master = master
+        self.unit_of = {n: u for u, ns in units.items() for n in ns}
+        self.opt: dict[str, torch.optim.Optimizer] = {}
+        for u, names in units.items():
+            by_group: dict[int, list[torch.Tensor]] = {}
+            for n in names:
+                by_group.setdefault(group_of[n], []).append(master[n])
+            groups = [{"params": ps, "gi": gi} for gi, ps in by_group.items()]
+            if kind == "adam":
+                self.opt[u] = torch.optim.AdamW(groups, lr=0.0, fused=True)
+            else:
+                self.opt[u] = torch.optim.SGD(groups, lr=0.0, momentum=0.0)
+
+    def step(
+        self,
+        unit: str,
+        names: list[str],
+        grads: dict[str, torch.Tensor],
+        scratch: dict[str, torch.Tensor],
+        hypers: list[Hyper],
+        inv_scale: float,
+        coef: float,
+        half_out: dict[str, torch.Tensor] | None,
+    ) -> None:
+        """Step `names` (those of `unit` that have a gradient): each gradient goes through its fp32 view in
+        scratch, unscaled and clipped as the GPU side does; half_out, when given, receives the half weights."""
+        for n in self.units[unit]:
+            self.master[n].grad = None  # a parameter without a gradient this step is not stepped
+        for n in names:
+            g = scratch[n]
+            g.copy_(grads[n])
+            if inv_scale != 1.0:
+                g.mul_(inv_scale)
+            if coef != 1.0:
+                g.mul_(coef)
+            self.master[n].grad = g
+        apply_hypers(self.opt[unit], hypers, self.kind)
+        self.opt[unit].step()
+        for n in names:
+            self.master[n].grad = None
+            if half_out is not None:
+                half_out[n].copy_(self.master[n])
+
+    def export(self, name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
+        s = self.opt[self.unit_of[name]].state.get(self.master[name], {})
+        return {k: s[k].view(shape).clone() for k in _STATE_KEYS if torch.is_tensor(s.get(k))}
+
+    def load(self, name: str, st: dict, step: int) -> None:
+        new = {k: st[k].reshape(-1).clone().float() for k in _STATE_KEYS if k in st}
+        if self.kind == "adam" and new:
+            new["step"] = torch.tensor(float(step), dtype=torch.float32)
+        self.opt[self.unit_of[name]].state[self.master[name]] = new
+
+    def close(self) -> None:
+        pass  # no threads of its own
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The per-element state tensors (not torch's scalar step counts)."""
+        states = [s for o in self.opt.values() for s in o.state.values()]
+        return [s[k] for s in states for k in _STATE_KEYS if torch.is_tensor(s.get(k))]
