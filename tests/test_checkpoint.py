@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run repeats the uninterrupted run's losses; a killed save loses nothing."""
 
 import hashlib
+import json
 import os
 import random
 import re
@@ -13,22 +14,26 @@ import textwrap
 import pytest
 import torch
 
-import engine
 from engine import checkpoint
-from tests.test_engine import TINY
 
 
-def run(iters, overrides=(), load=None, save=None):
-    eng, _, _ = engine.initialize(config=TINY, overrides=list(overrides))
-    if load:
-        eng.load_checkpoint(load)
-    losses = [eng.train_batch() for _ in range(iters)]
-    if save:
-        eng.save_checkpoint(save)
-    return eng, losses
+@pytest.fixture
+def run(make_engine):
+    """`run(iters, overrides=(), load=None, save=None)`: the tiny config, `iters` iterations; (engine, losses)."""
+
+    def run(iters, overrides=(), load=None, save=None):
+        eng, _, _ = make_engine(overrides)
+        if load:
+            eng.load_checkpoint(load)
+        losses = [eng.train_batch() for _ in range(iters)]
+        if save:
+            eng.save_checkpoint(save)
+        return eng, losses
+
+    return run
 
 
-def test_resume_reproduces_uninterrupted_losses(tmp_path):
+def test_resume_reproduces_uninterrupted_losses(tmp_path, run):
     _, straight = run(6)
     _, first = run(3, save=tmp_path)
     eng, second = run(3, load=tmp_path)
@@ -36,7 +41,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     assert eng.iteration == 6
 
 
-def test_resume_in_bf16_autocast_and_fp16(tmp_path):
+def test_resume_in_bf16_autocast_and_fp16(tmp_path, run):
     for precision in ("bf16", "fp16"):
         o = [f"train.precision={precision}"]
         _, straight = run(4, o)
@@ -45,7 +50,7 @@ def test_resume_in_bf16_autocast_and_fp16(tmp_path):
         assert first + second == straight, precision
 
 
-def test_layout_and_latest_pointer(tmp_path):
+def test_layout_and_latest_pointer(tmp_path, run):
     eng, _ = run(1, save=tmp_path)
     assert sorted(p.name for p in (tmp_path / "iter_0000001").iterdir()) == ["manifest.json", "state.pt"]
     assert (tmp_path / checkpoint.LATEST).read_text() == "1"  # Megatron's tracker: the bare integer
@@ -54,22 +59,21 @@ def test_layout_and_latest_pointer(tmp_path):
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("iter_")]) == 1
 
 
-def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    eng, _, _ = engine.initialize(config=TINY)
+def test_missing_checkpoint_is_a_clear_error(tmp_path, make_engine):
+    eng, _, _ = make_engine()
     with pytest.raises(FileNotFoundError, match=r"checkpoint.load=.*nowhere.*does not exist"):
         eng.load_checkpoint(str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match=r"holds no latest_checkpointed_iteration.txt"):
         eng.load_checkpoint(str(tmp_path))
 
 
-def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path):
+def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path, run, tiny_config):
     _, _ = run(2, save=tmp_path)
     good = checkpoint.load(tmp_path)
     # a second process trains on and is SIGKILLed while torch.save is writing its checkpoint
     script = textwrap.dedent(f"""
-        import os, signal, torch, engine
-        from tests.test_engine import TINY
-        eng, _, _ = engine.initialize(config=TINY)
+        import json, os, signal, torch, engine
+        eng, _, _ = engine.initialize(config=json.loads({json.dumps(tiny_config)!r}))
         eng.load_checkpoint({str(tmp_path)!r})
         eng.train_batch()
         real_save = torch.save
@@ -103,7 +107,7 @@ def flip(path, offset, mask):
         f.write(bytes([byte ^ mask]))
 
 
-def test_every_flipped_byte_in_every_file_is_refused(tmp_path):
+def test_every_flipped_byte_in_every_file_is_refused(tmp_path, run):
     eng, _ = run(1, save=tmp_path)
     folder = tmp_path / "iter_0000001"
     rng = random.Random(0)
@@ -125,7 +129,7 @@ def test_every_flipped_byte_in_every_file_is_refused(tmp_path):
     eng.load_checkpoint(str(tmp_path))  # restored bytes load again
 
 
-def test_corrupted_checkpoint_names_the_newest_intact_one(tmp_path):
+def test_corrupted_checkpoint_names_the_newest_intact_one(tmp_path, run):
     eng, _ = run(1, save=tmp_path)
     eng.train_batch()
     eng.save_checkpoint(str(tmp_path))
@@ -145,7 +149,7 @@ def test_corrupted_checkpoint_names_the_newest_intact_one(tmp_path):
         eng.load_checkpoint(str(tmp_path))
 
 
-def test_unreadable_but_sealed_file_keeps_the_useful_part(tmp_path):
+def test_unreadable_but_sealed_file_keeps_the_useful_part(tmp_path, run):
     """A state.pt whose manifest matches but torch cannot read: one line, no advice to unpickle code."""
     run(1, save=tmp_path)
     folder = tmp_path / "iter_0000001"
@@ -159,15 +163,15 @@ def test_unreadable_but_sealed_file_keeps_the_useful_part(tmp_path):
     assert "weights_only" not in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_shape_mismatch_names_keys_and_shapes(tmp_path):
+def test_shape_mismatch_names_keys_and_shapes(tmp_path, run, make_engine):
     run(1, save=tmp_path)
-    eng, _, _ = engine.initialize(config=TINY, overrides=["model.hidden_size=64"])
+    eng, _, _ = make_engine(["model.hidden_size=64"])
     with pytest.raises(checkpoint.CheckpointError) as caught:
         eng.load_checkpoint(str(tmp_path))
     message = str(caught.value)
     assert "(iteration 1) does not fit this model" in message
     assert re.search(r"shapes differ: \S+ \(checkpoint \[\d+(, 32)?\], model \[\d+(, 64)?\]\)", message), message
-    eng, _, _ = engine.initialize(config=TINY, overrides=["model.num_layers=1"])
+    eng, _, _ = make_engine(["model.num_layers=1"])
     with pytest.raises(checkpoint.CheckpointError, match=r"not in the model: layers\.1\."):
         eng.load_checkpoint(str(tmp_path))
 
@@ -175,7 +179,7 @@ def test_shape_mismatch_names_keys_and_shapes(tmp_path):
 # --- Megatron's tracker ------------------------------------------------------------------------------------
 
 
-def test_tracker_written_either_way_loads(tmp_path):
+def test_tracker_written_either_way_loads(tmp_path, run):
     run(2, save=tmp_path)
     tracker = tmp_path / checkpoint.LATEST
     for text in ("2", "2\n", "iter_0000002", "iter_0000002\n"):  # Megatron's integer; this engine's older name
@@ -193,7 +197,7 @@ def test_tracker_written_either_way_loads(tmp_path):
         checkpoint.load(tmp_path)
 
 
-def test_keep_last_keeps_the_newest(tmp_path):
+def test_keep_last_keeps_the_newest(tmp_path, run):
     eng, _ = run(1, ["checkpoint.save=x", "checkpoint.keep_last=2"])
     for _ in range(4):
         eng.save_checkpoint(str(tmp_path))
@@ -202,7 +206,7 @@ def test_keep_last_keeps_the_newest(tmp_path):
     assert checkpoint.load(tmp_path)["iteration"] == 4
 
 
-def test_failed_write_removes_the_partial_folder_and_says_why(tmp_path):
+def test_failed_write_removes_the_partial_folder_and_says_why(tmp_path, run):
     """A real I/O error from the OS (RLIMIT_FSIZE: writes past the limit fail with EFBIG, as ENOSPC would)."""
     eng, _ = run(1, save=tmp_path)
     eng.train_batch()

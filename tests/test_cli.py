@@ -1,29 +1,14 @@
 """bin/train as a user runs it: a short training run, --print-config, --env, one-line errors."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import engine
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = [sys.executable, str(ROOT / "bin" / "train")]
 
 
-def bin_train(*args, cwd=None):
-    return subprocess.run(
-        TRAIN + list(args),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-
-
-def test_short_run_writes_metrics(tmp_path):
+def test_short_run_writes_metrics(tmp_path, bin_train):
     metrics = tmp_path / "m.jsonl"
     small = ["train.device=cpu", "optimizer.lr_warmup_iters=0", f"logging.metrics_file={metrics}", "model.num_layers=1",
              "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536"]  # fmt: skip
@@ -59,14 +44,14 @@ def test_short_run_writes_metrics(tmp_path):
     assert json.loads(metrics.read_text().splitlines()[-1])["iteration"] == 4
 
 
-def test_print_config_reloads_to_an_equal_object():
+def test_print_config_reloads_to_an_equal_object(bin_train):
     proc = bin_train("--print-config", "optimizer.lr=0.01")
     assert proc.returncode == 0, proc.stderr
     printed = json.loads(proc.stdout)
     assert engine.load_config(printed) == engine.load_config(ROOT / "configs" / "default.json", ["optimizer.lr=0.01"])
 
 
-def test_bad_input_is_one_line_and_nonzero():
+def test_bad_input_is_one_line_and_nonzero(bin_train):
     proc = bin_train("optimizer.optimizer_offload_fraction=1.5")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -77,12 +62,12 @@ def test_bad_input_is_one_line_and_nonzero():
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "data.path" in proc.stderr
 
 
-def test_debug_shows_the_traceback():
+def test_debug_shows_the_traceback(bin_train):
     proc = bin_train("--debug", "data.source=text", "data.path=/no/such/file.txt", "train.device=cpu")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
-def test_env_report():
+def test_env_report(bin_train):
     proc = bin_train("--env")
     assert proc.returncode == 0, proc.stderr
     for field in ("torch", "CUDA available", "CPU", "cores", "AVX-512", "pinned memory"):

@@ -22,7 +22,6 @@ import torch
 import engine
 from engine import checkpoint, dist
 from engine.optim.distributed import DistributedOptimizer, partition
-from tests.test_engine import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 4  # optimizer steps per run; checkpoints are taken after HALF of them
@@ -63,11 +62,11 @@ def named_adamw(groups, cfg, model=None):
     return NamedAdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
 
 
-def train(overrides, iters, load=None, save=None, build=None):
+def train(config, overrides, iters, load=None, save=None, build=None):
     real = engine.engine.build_optimizer
     engine.engine.build_optimizer = build or real
     try:
-        eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
+        eng, _, _ = engine.initialize(config=config, overrides=overrides)
     finally:
         engine.engine.build_optimizer = real
     if load:
@@ -81,8 +80,9 @@ def train(overrides, iters, load=None, save=None, build=None):
 # --- the 2-rank side ---------------------------------------------------------------------------------------
 def worker(out: Path) -> None:
     """Runs on every rank of the job; rank 0 writes results.json, every rank its final weights."""
+    config = json.loads((out / "config.json").read_text())  # the tests' tiny config, written by `job`
     results = {}
-    _, results["ddp"] = train(DP, ITERS)
+    _, results["ddp"] = train(config, DP, ITERS)
     seen, real_hook = {"eng": None, "micro_steps": []}, DistributedOptimizer.ddp_comm_hook
 
     def hook(self, state, bucket):  # records which micro-batch's backward reduces
@@ -90,7 +90,7 @@ def worker(out: Path) -> None:
         return real_hook(self, state, bucket)
 
     DistributedOptimizer.ddp_comm_hook = hook
-    eng, first = train(SHARDED, HALF, save=out / "ckpt_2ranks")
+    eng, first = train(config, SHARDED, HALF, save=out / "ckpt_2ranks")
     seen["eng"], seen["micro_steps"] = eng, []
     results["sharded"] = first + [eng.train_batch() for _ in range(ITERS - HALF)]
     results["reducing_micro_steps"] = sorted(set(seen["micro_steps"]))
@@ -100,8 +100,8 @@ def worker(out: Path) -> None:
     results["inner_state_numel"] = sum(s["exp_avg"].numel() for s in opt.inner.state_dict()["state"].values())
     results["grad_norm"] = float(eng.last_grad_norm)
     torch.save(eng.module.state_dict(), out / f"weights_rank{dist.rank()}.pt")
-    _, results["resumed_from_1rank"] = train(SHARDED, ITERS - HALF, load=out / "ckpt_1rank")
-    eng, first = train(SHARDED, HALF, save=out / "ckpt_named", build=named_adamw)
+    _, results["resumed_from_1rank"] = train(config, SHARDED, ITERS - HALF, load=out / "ckpt_1rank")
+    eng, first = train(config, SHARDED, HALF, save=out / "ckpt_named", build=named_adamw)
     results["named_inner"] = first + [eng.train_batch() for _ in range(ITERS - HALF)]
     shards = [None] * dist.world_size()
     torch.distributed.all_gather_object(shards, results["owned_numel"])
@@ -138,10 +138,11 @@ def launch(n: int, args: list[str], timeout: float = 180) -> list[subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, tiny_config):
     """The 2-rank job, after the 1-rank run that leaves the checkpoint it resumes from."""
     out = tmp_path_factory.mktemp("dist")
-    train(DP, HALF, save=out / "ckpt_1rank")
+    (out / "config.json").write_text(json.dumps(tiny_config))
+    train(tiny_config, DP, HALF, save=out / "ckpt_1rank")
     ranks = launch(2, ["worker", str(out)])
     for r, p in enumerate(ranks):
         assert p.returncode == 0, f"rank {r}:\n{p.stderr[-3000:]}"
@@ -149,9 +150,9 @@ def job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tiny_config):
     """One process, the whole global batch: losses and final weights."""
-    eng, losses = train(DP, ITERS)
+    eng, losses = train(tiny_config, DP, ITERS)
     return losses, eng.module.state_dict(), float(eng.last_grad_norm)
 
 
@@ -212,26 +213,26 @@ def test_single_process_needs_no_process_group(monkeypatch):
     assert dist.rank_path("runs/m.jsonl") == "runs/m.rank3.jsonl"
 
 
-def test_global_batch_is_checked_at_the_actual_world_size(monkeypatch):
+def test_global_batch_is_checked_at_the_actual_world_size(monkeypatch, make_engine):
     monkeypatch.setattr(dist, "setup", lambda *a, **k: 2)  # as if torchrun had started two ranks
     with pytest.raises(engine.ConfigError, match=r"must be divisible by train.micro_batch_size \(4\) x "
                        r"data-parallel size \(2\) = 8"):  # fmt: skip
-        engine.initialize(config=TINY, overrides=["train.global_batch_size=4", "train.micro_batch_size=4"])
+        make_engine(["train.global_batch_size=4", "train.micro_batch_size=4"])
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(job, reference):
+def test_two_rank_checkpoint_resumes_on_one_rank(job, reference, tiny_config):
     out, _ = job
-    _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_2ranks")
+    _, resumed = train(tiny_config, SHARDED, ITERS - HALF, load=out / "ckpt_2ranks")
     assert resumed == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
 
 
-def test_inner_optimizer_with_its_own_clip_and_step_and_named_state(job, reference):
+def test_inner_optimizer_with_its_own_clip_and_step_and_named_state(job, reference, tiny_config):
     """The shape of the HybridDeviceOptimizer: clipped through grad_scale, its state gathered by name."""
     out, results = job
     assert results["named_inner"] == pytest.approx(reference[0], rel=0, abs=1e-6)
     saved = checkpoint.load(out / "ckpt_named")["optimizer"]
     assert saved["format"] == "named" and set(saved["state"]) == set(reference[1])
-    _, resumed = train(SHARDED, ITERS - HALF, load=out / "ckpt_named", build=named_adamw)
+    _, resumed = train(tiny_config, SHARDED, ITERS - HALF, load=out / "ckpt_named", build=named_adamw)
     assert resumed == pytest.approx(reference[0][HALF:], rel=0, abs=1e-6)
 
 

@@ -6,29 +6,17 @@ import torch
 import engine
 from engine.models.gpt import gpt_loss
 
-TINY = {
-    "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16, "vocab_size": 256},
-    "optimizer": {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.1, "lr_warmup_iters": 2, "lr_decay_style": "linear"},
-    "train": {"train_iters": 6, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "device": "cpu"},
-    "data": {"max_bytes": 65536},
-    "logging": {"metrics_file": None, "progress_bar": False},
-}
 
-
-def make(overrides=(), **kw):
-    return engine.initialize(config=TINY, overrides=list(overrides), **kw)
-
-
-def test_initialize_returns_engine_optimizer_scheduler():
-    eng, opt, sched = make()
+def test_initialize_returns_engine_optimizer_scheduler(make_engine):
+    eng, opt, sched = make_engine()
     assert isinstance(eng, engine.Engine)
     assert opt is eng.optimizer and sched is eng.lr_scheduler
     assert eng.micro_batches_per_step == 2
 
 
-def test_train_batch_equals_hand_written_loop():
-    a, _, _ = make()
-    b, _, _ = make()
+def test_train_batch_equals_hand_written_loop(make_engine):
+    a, _, _ = make_engine()
+    b, _, _ = make_engine()
     for _ in range(3):
         la = a.train_batch()
         it = b._data(None)
@@ -37,14 +25,14 @@ def test_train_batch_equals_hand_written_loop():
             loss = b(next(it))
             b.backward(loss)
             losses.append(loss.item())
-        assert not b.step() or True
+        assert b.step() is True  # the last micro-batch of the global batch steps
         assert la == pytest.approx(sum(losses) / len(losses), rel=0, abs=1e-6)
     for pa, pb in zip(a.module.parameters(), b.module.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
 
 
-def test_step_only_at_accumulation_boundary():
-    eng, _, _ = make()
+def test_step_only_at_accumulation_boundary(make_engine):
+    eng, _, _ = make_engine()
     it = eng._data(None)
     eng.backward(eng(next(it)))
     before = [p.detach().clone() for p in eng.module.parameters()]
@@ -55,10 +43,10 @@ def test_step_only_at_accumulation_boundary():
     assert eng.iteration == 1
 
 
-def test_accumulation_matches_one_big_batch():
+def test_accumulation_matches_one_big_batch(make_engine):
     """Two micro-batches of 2 must give the gradient of one batch of 4 (the mean over sequences)."""
-    acc, _, _ = make(["train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.clip_grad=0"])
-    big, _, _ = make(["train.global_batch_size=4", "train.micro_batch_size=4", "optimizer.clip_grad=0"])
+    acc, _, _ = make_engine(["train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.clip_grad=0"])
+    big, _, _ = make_engine(["train.global_batch_size=4", "train.micro_batch_size=4", "optimizer.clip_grad=0"])
     it = acc._data(None)
     b1, b2 = next(it), next(it)
     acc.backward(acc(b1))
@@ -68,10 +56,10 @@ def test_accumulation_matches_one_big_batch():
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_matches_plain_torch_adamw_with_clipping_and_schedule():
+def test_matches_plain_torch_adamw_with_clipping_and_schedule(make_engine):
     # eps 1e-5: the attention key bias gets only rounding noise as gradient, which Adam at eps 1e-8 turns
     # into full-size steps whose sign any reordering of a sum flips
-    eng, _, _ = make(["train.train_iters=5", "optimizer.adam_eps=1e-5"])
+    eng, _, _ = make_engine(["train.train_iters=5", "optimizer.adam_eps=1e-5"])
     torch.manual_seed(eng.config.train.seed)
     ref = engine.build.build_model(eng.config.model, torch.device("cpu"), 0)
     ref.load_state_dict(eng.module.state_dict())
@@ -99,8 +87,8 @@ def test_matches_plain_torch_adamw_with_clipping_and_schedule():
     assert used == pytest.approx(lrs, rel=1e-12)
 
 
-def test_loss_decreases_on_default_data():
-    eng, _, _ = make(
+def test_loss_decreases_on_default_data(make_engine):
+    eng, _, _ = make_engine(
         [
             "train.global_batch_size=8",
             "train.micro_batch_size=8",
@@ -114,15 +102,15 @@ def test_loss_decreases_on_default_data():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_autocast_precisions_train(precision):
-    eng, _, _ = make([f"train.precision={precision}"])
+def test_autocast_precisions_train(precision, make_engine):
+    eng, _, _ = make_engine([f"train.precision={precision}"])
     losses = [eng.train_batch() for _ in range(4)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert eng.module.layers[0].mlp.fc1.weight.dtype == torch.float32
 
 
-def test_fp16_overflow_skips_step_and_halves_scale():
-    eng, _, _ = make(["train.precision=fp16"])
+def test_fp16_overflow_skips_step_and_halves_scale(make_engine):
+    eng, _, _ = make_engine(["train.precision=fp16"])
     it = eng._data(None)
     before = [p.detach().clone() for p in eng.module.parameters()]
     scale = eng.scaler.scale
@@ -133,13 +121,13 @@ def test_fp16_overflow_skips_step_and_halves_scale():
     assert all(torch.equal(a, p) for a, p in zip(before, eng.module.parameters(), strict=True))
 
 
-def test_user_model_and_optimizer_with_own_loss():
+def test_user_model_and_optimizer_with_own_loss(tiny_config):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     eng, o, _ = engine.initialize(
         model=model,
         optimizer=opt,
-        config=TINY,
+        config=tiny_config,
         loss_fn=torch.nn.functional.mse_loss,
         overrides=["optimizer.lr_warmup_iters=0", "optimizer.lr_decay_style=constant"],
     )
@@ -151,8 +139,8 @@ def test_user_model_and_optimizer_with_own_loss():
     assert last < first
 
 
-def test_schedule_warmup_then_decay():
-    eng, opt, _ = make(
+def test_schedule_warmup_then_decay(make_engine):
+    eng, opt, _ = make_engine(
         [
             "optimizer.lr_warmup_iters=2",
             "optimizer.lr_decay_style=cosine",
@@ -168,13 +156,13 @@ def test_schedule_warmup_then_decay():
     assert seen[3:] == pytest.approx([1e-4, 1e-4])
 
 
-def test_user_optimizer_cannot_take_half_weights():
+def test_user_optimizer_cannot_take_half_weights(tiny_config):
     model = torch.nn.Linear(4, 1)
     with pytest.raises(ValueError, match='train.params_dtype="half" keeps fp32 master weights'):
         engine.initialize(
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            config=TINY,
+            config=tiny_config,
             overrides=["train.params_dtype=half", "train.precision=bf16"],
         )
 

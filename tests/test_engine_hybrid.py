@@ -6,14 +6,11 @@ import json
 import pytest
 import torch
 
-import engine
-from tests.test_cli import bin_train
-from tests.test_engine import TINY
-
 OFFLOAD = ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"]
 
 
-def test_bin_train_default_100_iterations_offloaded_within_0_001_of_plain(tmp_path):
+@pytest.mark.slow  # ~100 s alone on 2 cores, 300 s on busy ones: .ci/run runs it after the suite
+def test_bin_train_default_100_iterations_offloaded_within_0_001_of_plain(tmp_path, bin_train):
     losses = {}
     for name, extra in {
         "plain": [],
@@ -31,15 +28,36 @@ def test_bin_train_default_100_iterations_offloaded_within_0_001_of_plain(tmp_pa
     assert losses["plain"][-1] < 0.7 * losses["plain"][0]
 
 
-def run(overrides, steps=4):
-    eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
-    losses = [eng.train_batch() for _ in range(steps)]
-    eng.synchronize()
-    return eng, losses
+def test_offloaded_run_follows_the_plain_run(make_engine):
+    """The fast twin of the slow test above: the tiny config at f=0.5 with overlap, every loss and every
+    final weight against the non-offloaded run's (clipping, warmup and decay all active)."""
+    plain, _, _ = make_engine()
+    off, _, _ = make_engine(
+        [*OFFLOAD, "optimizer.optimizer_offload_fraction=0.5", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]
+    )
+    a = [plain.train_batch() for _ in range(6)]
+    b = [off.train_batch() for _ in range(6)]
+    off.synchronize()
+    assert b == pytest.approx(a, rel=0, abs=1e-6)
+    for (name, p), q in zip(plain.module.named_parameters(), off.module.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture
+def run(make_engine):
+    """`run(overrides, steps=4)`: the tiny config trained for `steps` iterations, synchronized; (engine, losses)."""
+
+    def run(overrides, steps=4):
+        eng, _, _ = make_engine(overrides)
+        losses = [eng.train_batch() for _ in range(steps)]
+        eng.synchronize()
+        return eng, losses
+
+    return run
 
 
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
-def test_overlapped_runs_are_deterministic(fraction):
+def test_overlapped_runs_are_deterministic(fraction, run):
     o = [*OFFLOAD, f"optimizer.optimizer_offload_fraction={fraction}", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]
     a, la = run(o)
     b, lb = run(o)
@@ -48,7 +66,7 @@ def test_overlapped_runs_are_deterministic(fraction):
         assert torch.equal(p, q)
 
 
-def test_half_weights_with_fp32_masters():
+def test_half_weights_with_fp32_masters(run):
     eng, losses = run(
         [
             "train.precision=bf16",
@@ -65,12 +83,12 @@ def test_half_weights_with_fp32_masters():
     assert losses[-1] < losses[0]
 
 
-def test_checkpoint_saved_at_one_fraction_resumes_at_another(tmp_path):
+def test_checkpoint_saved_at_one_fraction_resumes_at_another(tmp_path, run, make_engine):
     at = lambda f: [*OFFLOAD, f"optimizer.optimizer_offload_fraction={f}"]  # noqa: E731
     _, straight = run(at(0.25), steps=4)
     first_eng, first = run(at(0.25), steps=2)
     first_eng.save_checkpoint(str(tmp_path))
-    eng, _, _ = engine.initialize(config=TINY, overrides=at(0.75))
+    eng, _, _ = make_engine(at(0.75))
     eng.load_checkpoint(str(tmp_path))
     second = [eng.train_batch() for _ in range(2)]
     assert first + second == pytest.approx(straight, rel=1e-6)

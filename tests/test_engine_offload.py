@@ -3,16 +3,19 @@
 import pytest
 import torch
 
-import engine
-from tests.test_engine import TINY
-
 OFF = ["model.cpu_offloading=true", "model.cpu_offloading_num_layers=1"]
 
 
-def run(overrides, steps=3):
-    eng, _, _ = engine.initialize(config=TINY, overrides=overrides)
-    losses = [eng.train_batch() for _ in range(steps)]
-    return eng, losses
+@pytest.fixture
+def run(make_engine):
+    """`run(overrides, steps=3)`: the tiny config trained for `steps` iterations; (engine, losses)."""
+
+    def run(overrides, steps=3):
+        eng, _, _ = make_engine(overrides)
+        losses = [eng.train_batch() for _ in range(steps)]
+        return eng, losses
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -23,7 +26,7 @@ def run(overrides, steps=3):
         ["model.fine_grained_activation_offloading=true", 'model.offload_modules=["mlp"]'],
     ],
 )
-def test_offloaded_training_is_bitwise_equal(extra):
+def test_offloaded_training_is_bitwise_equal(extra, run):
     base, base_losses = run([])
     off, off_losses = run(extra)
     assert off.offloader is not None
@@ -32,7 +35,7 @@ def test_offloaded_training_is_bitwise_equal(extra):
         assert torch.equal(p, q)
 
 
-def test_host_bytes_are_reported_during_forward():
+def test_host_bytes_are_reported_during_forward(run):
     # tensors of 64 KiB or less stay on the device: a shape whose activations are larger
     eng, _ = run(
         OFF + ["train.micro_batch_size=4", "train.global_batch_size=4", "model.seq_length=128", "model.hidden_size=64"],

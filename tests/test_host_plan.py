@@ -76,7 +76,7 @@ def test_bad_arguments():
 
 
 def test_config_key_reaches_the_cpu_part():
-    from test_optim_helpers import tiny_gpt
+    from optim_reference import tiny_gpt
 
     from engine.build import build_optimizer, named_parameter_groups
     from engine.config import load_config
@@ -96,7 +96,7 @@ def test_config_key_reaches_the_cpu_part():
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_bad_bound(bad):
-    from test_optim_helpers import tiny_gpt
+    from optim_reference import tiny_gpt
 
     from engine.optim import HybridDeviceOptimizer
 

@@ -182,7 +182,8 @@ def test_recompute_on_cpu_is_refused_with_the_fix():
 
 
 def test_activation_offloading_of_decoder_layers_gives_the_same_gradients_and_weights():
-    offload = pytest.importorskip("engine.offload", reason="Requires: engine.offload")
+    from engine import offload
+
     ref, off = build(seed=5), build(seed=5)
     assert offload.find_layers(off) is off.gpt.decoder.layers
     handle = offload.apply_activation_offloading(off, num_layers=1, min_bytes=0)
@@ -317,12 +318,11 @@ def test_hybrid_device_optimizer_matches_torch_adamw_on_cuda(fraction):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_initialize_builds_and_trains_the_megatron_gpt():
+def test_initialize_builds_and_trains_the_megatron_gpt(tiny_config):
     import engine
-    from tests.test_engine import TINY
 
     eng, _, _ = engine.initialize(
-        config=TINY,
+        config=tiny_config,
         overrides=[
             "model.implementation=megatron",
             "optimizer.lr=3e-3",

@@ -1,8 +1,7 @@
 """Activation offloading together with the hybrid optimizer: parameters bitwise those of the run without offloading.
 
 The optimizer registers forward pre-hooks on layer units by name and copies updated weights into the parameters
-in place; offloading keeps module names and parameter storage, so both compose. Skipped where engine.optim is
-not there yet.
+in place; offloading keeps module names and parameter storage, so both compose.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import torch
 
 from engine.models.gpt import GPT, gpt_loss
 from engine.offload import apply_activation_offloading
-
-hybrid = pytest.importorskip("engine.optim.hybrid", reason="Requires: engine.optim (issue 3)")
+from engine.optim import hybrid
 
 
 def make() -> GPT:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_optim_helpers import (
+from optim_reference import (
     HP,
     batches,
     groups,

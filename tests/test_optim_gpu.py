@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from test_optim_helpers import (
+from optim_reference import (
     HP,
     batches,
     groups,

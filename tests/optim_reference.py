@@ -1,4 +1,4 @@
-"""Shared helpers for the optimizer tests (no tests here): a tiny GPT, its data, the plain-torch reference loop."""
+"""The optimizer tests' reference: a tiny GPT, its data, the plain-torch loop the hybrid optimizer must match."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""Shared fixtures: the tiny engine config most engine tests start from, and bin/train as a user runs it.
+
+Test modules take these as fixtures and never import from one another; plain helpers that are not
+fixtures live in modules not named test_* (tests/optim_reference.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+import engine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_TINY = {
+    "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16, "vocab_size": 256},
+    "optimizer": {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.1, "lr_warmup_iters": 2, "lr_decay_style": "linear"},
+    "train": {"train_iters": 6, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "device": "cpu"},
+    "data": {"max_bytes": 65536},
+    "logging": {"metrics_file": None, "progress_bar": False},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> dict:
+    """A 2-layer, 32-wide GPT on CPU, 6 iterations of 2 micro-batches of 2. Shared by every test: change it
+    with overrides (`make_engine([...])`), never in place."""
+    return _TINY
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_config) -> Callable[..., tuple]:
+    """`make_engine(overrides=(), **kw)`: engine.initialize on the tiny config with dotted overrides."""
+
+    def make(overrides: Sequence[str] = (), **kw) -> tuple:
+        return engine.initialize(config=copy.deepcopy(tiny_config), overrides=list(overrides), **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bin_train() -> Callable[..., subprocess.CompletedProcess]:
+    """`bin_train(*args, cwd=None)`: bin/train in a subprocess, its output captured."""
+
+    def run(*args: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "bin" / "train"), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+
+    return run
