@@ -19,6 +19,7 @@ from engine import checkpoint, dist
 from engine.config import Config, ConfigError, load_config
 from engine.engine import initialize
 from engine.metrics import MetricsLog, format_bytes
+from engine.skips import TrainingDiverged
 from engine.resources import data_path
 
 DEFAULT_CONFIG = data_path("configs", "default.json")  # inside the wheel, or configs/ in a checkout
@@ -107,6 +108,7 @@ def train(cfg: Config) -> MetricsLog:
                 "peak_memory_bytes": eng.peak_memory_bytes(),
                 "host_offload_bytes": eng.host_bytes(),
                 "skipped": eng.last_step_skipped,
+                "skipped_steps": eng.skips.total,  # this run's, non-finite or fp16 overflow
             }
             if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
                 log.write(record)
@@ -114,6 +116,7 @@ def train(cfg: Config) -> MetricsLog:
                 loss=f"{loss:.4f}",
                 tok_s=f"{record['tokens_per_s']:,.0f}",
                 mem=format_bytes(record["peak_memory_bytes"]),
+                **({"skipped": eng.skips.total} if eng.skips.total else {}),
                 refresh=False,
             )
             bar.update(1)
@@ -157,7 +160,7 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         # raised with a message naming the key
-        ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError))
+        ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError, TrainingDiverged))
         message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
         print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

@@ -95,6 +95,7 @@ class TrainConfig:
     loss_scale_window: int = 1000
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_skipped_steps: int | None = 20
 
 
 @dataclass(frozen=True)

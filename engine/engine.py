@@ -8,6 +8,7 @@ optimizer served by `_clip_and_step_plain`.
 
 from __future__ import annotations
 
+import math
 import resource
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from engine.models.gpt import gpt_loss
 from engine.optim.distributed import DistributedOptimizer
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.schedule import WarmupDecayLR
+from engine.skips import SkippedSteps
 
 
 def _pick_device(choice: str) -> torch.device:
@@ -43,16 +45,23 @@ def _move(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+_OVERFLOW_SCALE = 1e-300  # 0 in fp32: gradients unscaled by it are inf (or nan), never finite
+
+
 def _clip_and_step_plain(
-    optimizer: torch.optim.Optimizer, max_norm: float, grad_scale: float, check_finite: bool
+    optimizer: torch.optim.Optimizer, max_norm: float, grad_scale: float, loss_finite: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, bool]:
-    """Unscale, clip and step a plain torch optimizer; returns (pre-clip norm, stepped)."""
+    """Unscale, clip and step a plain torch optimizer; returns (pre-clip norm, stepped). A non-finite norm,
+    or `loss_finite` False, skips the step."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if grad_scale != 1.0:
         torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    # the one synchronisation: fp16 must know whether to skip before stepping
-    if check_finite and not torch.isfinite(norm).item():
+    finite = torch.isfinite(norm)
+    if loss_finite is not None:
+        finite = finite & loss_finite.to(finite.device)
+    # the one synchronisation: whether to skip must be known before stepping
+    if not finite.item():
         return norm, False
     optimizer.step()
     return norm, True
@@ -84,6 +93,8 @@ class Engine:
         self.data_iter: Iterator | None = None
         self.last_grad_norm: torch.Tensor | float = 0.0
         self.last_step_skipped = False
+        self.skips = SkippedSteps(config)  # non-finite steps: counted; too many in a row end the run
+        self._loss_sum: torch.Tensor | None = None  # this global batch's micro-batch losses, for the finite check
         self._autocast = autocast(device, t.precision, t.params_dtype)
         if hasattr(optimizer, "attach_model"):
             optimizer.attach_model(module)
@@ -111,19 +122,30 @@ class Engine:
             self.optimizer.set_grad_final(self.micro_step + 1 == self.micro_batches_per_step)
         (loss * (self.scaler.scale / self.micro_batches_per_step)).backward()
         self.micro_step += 1
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_step >= self.micro_batches_per_step
 
     def step(self) -> bool:
-        """At the accumulation boundary: unscale, clip, step, advance the schedule. Returns True if it stepped."""
+        """At the accumulation boundary: unscale, clip, step, advance the schedule. Returns True if it stepped.
+
+        A non-finite loss or gradient norm skips the step (nothing is updated) and counts it in `skips`;
+        `train.max_skipped_steps` consecutive skips raise TrainingDiverged."""
         if not self.is_gradient_accumulation_boundary():
             return False
         clip = self.config.optimizer.clip_grad
-        if hasattr(self.optimizer, "clip_and_step"):
-            norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale)
+        loss_sum, self._loss_sum = self._loss_sum, None
+        loss_finite = None if loss_sum is None else torch.isfinite(dist.average(loss_sum))  # the same on every rank
+        if hasattr(self.optimizer, "clip_and_step"):  # skips (and discards what it began) on a non-finite norm
+            scale = self.scaler.scale
+            if loss_finite is not None and not loss_finite.item():
+                # the protocol's one way to discard a step: a scale under which every unscaled gradient overflows
+                scale = _OVERFLOW_SCALE
+            norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=scale)
         else:
-            norm, stepped = _clip_and_step_plain(self.optimizer, clip, self.scaler.scale, self.scaler.enabled)
+            norm, stepped = _clip_and_step_plain(self.optimizer, clip, self.scaler.scale, loss_finite)
         self.scaler.update(stepped)
         if stepped:
             self.lr_scheduler.step()
@@ -131,6 +153,11 @@ class Engine:
         self.last_grad_norm, self.last_step_skipped = norm, not stepped
         self.micro_step = 0
         self.iteration += 1
+        if stepped:
+            self.skips.update(True, self.iteration, 0.0, 0.0, self.scaler.scale)
+        else:  # the values only name the problem: read them (a synchronisation) on skipped steps alone
+            mean = math.nan if loss_sum is None else float(dist.average(loss_sum)) / self.micro_batches_per_step
+            self.skips.update(False, self.iteration, mean, float(norm), self.scaler.scale)
         return stepped
 
     def train_batch(self, data_iter: Iterable | None = None) -> float:

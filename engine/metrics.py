@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import IO, Any
@@ -14,6 +15,21 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def strict(value: Any) -> Any:
+    """`value` with every non-finite float as None, so the JSON is strict (`null`, never `NaN`/`Infinity`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def _loss(x: float | None) -> str:
+    return "non-finite" if x is None or not math.isfinite(x) else f"{x:.4f}"
 
 
 class MetricsLog:
@@ -28,9 +44,10 @@ class MetricsLog:
             self._file = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
+        record = strict(record)
         self.records.append(record)
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -38,15 +55,17 @@ class MetricsLog:
             self._file.close()
 
     def summary(self) -> str:
-        """Loss first to last, median throughput and iteration time, peaks."""
+        """Loss first to last, skipped steps, median throughput and iteration time, peaks."""
         r = self.records
         if not r:
             return "no iterations run"
         first, last = r[0]["loss"], r[-1]["loss"]
-        change = 100.0 * (last - first) / first if first else 0.0
+        change = f" ({100.0 * (last - first) / first:+.1f}%)" if first and last is not None else ""
+        skipped = r[-1].get("skipped_steps", 0)
         return (
-            f"iterations {r[0]['iteration']}..{r[-1]['iteration']}: loss {first:.4f} -> {last:.4f} ({change:+.1f}%), "
-            f"median {statistics.median(x['iteration_ms'] for x in r):.1f} ms/iter, "
+            f"iterations {r[0]['iteration']}..{r[-1]['iteration']}: loss {_loss(first)} -> {_loss(last)}{change}, "
+            + (f"{skipped} steps skipped (non-finite loss or gradient norm), " if skipped else "")
+            + f"median {statistics.median(x['iteration_ms'] for x in r):.1f} ms/iter, "
             f"{statistics.median(x['tokens_per_s'] for x in r):,.0f} tokens/s, "
             f"peak memory {format_bytes(max(x['peak_memory_bytes'] for x in r))}, "
             f"host offload {format_bytes(max(x['host_offload_bytes'] for x in r))}"

@@ -3,8 +3,18 @@ what `checkpoint.load` accepts, and the checkpoint keys' rules."""
 
 from __future__ import annotations
 
+import json
+import math
+
+import pytest
+import torch
+
+import engine
 from engine import checkpoint
 from engine.cli import train_main
+from engine.models.gpt import GPT, gpt_loss
+from engine.skips import TrainingDiverged
+from tests.test_engine import TINY as ENGINE_TINY
 
 TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
         "model.seq_length=32", "data.max_bytes=65536", "train.global_batch_size=2", "train.micro_batch_size=2",
@@ -51,3 +61,85 @@ def test_corrupted_checkpoint_exits_1_with_one_line(tmp_path, capsys):
     assert err.strip().splitlines() == [
         f"error: checkpoint {state} (iteration 1) has changed since it was saved (its sha256 differs from the "
         f"manifest); refusing to load it; no intact older checkpoint in {tmp_path}"]
+
+
+# --- non-finite steps -------------------------------------------------------------------------------------
+
+HYBRID = ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
+          "optimizer.optimizer_offload_fraction=0.5"]  # fmt: skip
+
+
+@pytest.mark.parametrize("precision, extra", [("fp32", []), ("bf16", []), ("fp16", []), ("fp32", HYBRID)])
+def test_divergence_skips_then_stops_naming_iteration_and_cause(precision, extra):
+    eng, _, _ = engine.initialize(
+        config=ENGINE_TINY, overrides=[f"train.precision={precision}", "optimizer.lr=1e10", "train.max_skipped_steps=3",
+                                       *extra])  # fmt: skip
+    losses = [eng.train_batch()]  # a finite first step with an absurd learning rate
+    assert math.isfinite(losses[0])
+    weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    losses += [eng.train_batch(), eng.train_batch()]
+    assert all(math.isnan(x) for x in losses[1:]) and eng.skips.total == 2 and eng.last_step_skipped
+    for k, v in eng.module.state_dict().items():  # skipped steps left the weights of the good step alone
+        assert torch.equal(v, weights[k]), k
+    with pytest.raises(TrainingDiverged) as caught:
+        eng.train_batch()
+    assert str(caught.value) == (
+        "train.max_skipped_steps=3: stopping at iteration 4 after 3 consecutive skipped steps (loss nan, gradient "
+        "norm nan); likely cause: training diverged after 1 good step: the learning rate is too high "
+        "(optimizer.lr=1e+10); lower it, or raise optimizer.lr_warmup_iters (2)"
+    )
+    assert all(torch.equal(v, weights[k]) for k, v in eng.module.state_dict().items())
+
+
+def test_non_finite_from_the_start_names_the_init():
+    eng, _, _ = engine.initialize(config=ENGINE_TINY, overrides=["model.init_method_std=1e30",
+                                                                 "train.max_skipped_steps=2"])  # fmt: skip
+    eng.train_batch()
+    with pytest.raises(TrainingDiverged, match=r"stopping at iteration 2 after 2 consecutive skipped steps .*likely "
+                       r"cause: the model is non-finite from this run's first step: check model.init_method_std "
+                       r"\(1e\+30\)"):  # fmt: skip
+        eng.train_batch()
+
+
+@pytest.mark.parametrize("optimizer", ["engine", "torch", "hybrid"])
+def test_non_finite_loss_alone_skips_the_step(optimizer):
+    """A loss that is NaN while every gradient is finite (a NaN constant in the loss) must not step."""
+    kw = {"loss_fn": lambda out, y: gpt_loss(out, y) + math.nan}
+    model = GPT(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=256)
+    if optimizer == "torch":
+        kw.update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    eng, opt, sched = engine.initialize(config=ENGINE_TINY, overrides=HYBRID if optimizer == "hybrid" else [], **kw)
+    before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    assert math.isnan(eng.train_batch())
+    assert eng.last_step_skipped and eng.skips.total == 1 and eng.iteration == 1  # spent, as Megatron counts it
+    eng.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())
+    assert sched.last_epoch == 0  # no schedule step either
+    if optimizer == "torch":
+        assert opt.state_dict()["state"] == {}  # no moments
+
+
+def test_bin_train_diverging_exits_1_with_strict_json_metrics(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = bin_train(capsys, "optimizer.lr=1e10", "train.max_skipped_steps=3", "train.train_iters=20",
+                               f"logging.metrics_file={metrics}")  # fmt: skip
+    assert code == 1
+    assert err.strip().splitlines() == [
+        "error: train.max_skipped_steps=3: stopping at iteration 4 after 3 consecutive skipped steps (loss nan, "
+        "gradient norm nan); likely cause: training diverged after 1 good step: the learning rate is too high "
+        "(optimizer.lr=1e+10); lower it, or raise optimizer.lr_warmup_iters (0)"]
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in metrics.read_text().splitlines()]
+    steps = [r for r in rows if "iteration" in r]
+    assert [(r["iteration"], r["skipped"], r["skipped_steps"]) for r in steps] == [(1, False, 0), (2, True, 1),
+                                                                                  (3, True, 2)]  # fmt: skip
+    assert steps[1]["loss"] is None and steps[1]["grad_norm"] is None and math.isfinite(steps[0]["loss"])
+    # without a limit the run goes on; the progress bar and the summary count the skipped steps
+    code, out, err = bin_train(capsys, "optimizer.lr=1e10", "train.max_skipped_steps=null", "train.train_iters=4",
+                               "logging.metrics_file=null", "logging.progress_bar=true")  # fmt: skip
+    assert code == 0, err
+    assert "skipped=3" in err  # tqdm's postfix
+    assert "loss 5.5" in out and "-> non-finite, 3 steps skipped (non-finite loss or gradient norm)" in out
