@@ -9,12 +9,10 @@ import math
 import pytest
 import torch
 
-import engine
 from engine import checkpoint
 from engine.cli import train_main
 from engine.models.gpt import GPT, gpt_loss
 from engine.skips import TrainingDiverged
-from tests.test_engine import TINY as ENGINE_TINY
 
 TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
         "model.seq_length=32", "data.max_bytes=65536", "train.global_batch_size=2", "train.micro_batch_size=2",
@@ -70,10 +68,8 @@ HYBRID = ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_opt
 
 
 @pytest.mark.parametrize("precision, extra", [("fp32", []), ("bf16", []), ("fp16", []), ("fp32", HYBRID)])
-def test_divergence_skips_then_stops_naming_iteration_and_cause(precision, extra):
-    eng, _, _ = engine.initialize(
-        config=ENGINE_TINY, overrides=[f"train.precision={precision}", "optimizer.lr=1e10", "train.max_skipped_steps=3",
-                                       *extra])  # fmt: skip
+def test_divergence_skips_then_stops_naming_iteration_and_cause(make_engine, precision, extra):
+    eng, _, _ = make_engine([f"train.precision={precision}", "optimizer.lr=1e10", "train.max_skipped_steps=3", *extra])
     losses = [eng.train_batch()]  # a finite first step with an absurd learning rate
     assert math.isfinite(losses[0])
     weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
@@ -91,9 +87,8 @@ def test_divergence_skips_then_stops_naming_iteration_and_cause(precision, extra
     assert all(torch.equal(v, weights[k]) for k, v in eng.module.state_dict().items())
 
 
-def test_non_finite_from_the_start_names_the_init():
-    eng, _, _ = engine.initialize(config=ENGINE_TINY, overrides=["model.init_method_std=1e30",
-                                                                 "train.max_skipped_steps=2"])  # fmt: skip
+def test_non_finite_from_the_start_names_the_init(make_engine):
+    eng, _, _ = make_engine(["model.init_method_std=1e30", "train.max_skipped_steps=2"])
     eng.train_batch()
     with pytest.raises(TrainingDiverged, match=r"stopping at iteration 2 after 2 consecutive skipped steps .*likely "
                        r"cause: the model is non-finite from this run's first step: check model.init_method_std "
@@ -102,13 +97,13 @@ def test_non_finite_from_the_start_names_the_init():
 
 
 @pytest.mark.parametrize("optimizer", ["engine", "torch", "hybrid"])
-def test_non_finite_loss_alone_skips_the_step(optimizer):
+def test_non_finite_loss_alone_skips_the_step(make_engine, optimizer):
     """A loss that is NaN while every gradient is finite (a NaN constant in the loss) must not step."""
     kw = {"loss_fn": lambda out, y: gpt_loss(out, y) + math.nan}
     model = GPT(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=256)
     if optimizer == "torch":
         kw.update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    eng, opt, sched = engine.initialize(config=ENGINE_TINY, overrides=HYBRID if optimizer == "hybrid" else [], **kw)
+    eng, opt, sched = make_engine(HYBRID if optimizer == "hybrid" else [], **kw)
     before = {k: v.clone() for k, v in eng.module.state_dict().items()}
     assert math.isnan(eng.train_batch())
     assert eng.last_step_skipped and eng.skips.total == 1 and eng.iteration == 1  # spent, as Megatron counts it
