@@ -47,6 +47,7 @@ BENCHES = {
     "optimizer": "engine.bench.optimizer",
     "activations": "engine.bench.activations",
     "scale": "engine.bench.scale",
+    "cpass": "engine.bench.cpass",
 }
 
 

@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from engine.optim import fused_kernel
+
 
 def _version(dist: str) -> str:
     try:
@@ -50,6 +52,8 @@ def env_report() -> str:
         f"cores           {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process",
         f"AVX-512         {'yes' if cpu['avx512f'] else 'no'} (bf16: {'yes' if cpu['avx512_bf16'] else 'no'})",
         f"pinned memory   {'available' if cuda else 'unavailable (no CUDA): offload copies use pageable memory'}",
+        f"CPU AdamW       {fused_kernel.status()} (torch's fused AdamW where "
+        "optimizer.use_torch_optimizer_for_cpu_offload=true)",
         f"megatron-core   {_version('megatron-core')}",
         f"transformer-engine {_version('transformer-engine')}",
     ]

@@ -72,3 +72,4 @@ def test_env_report(bin_train):
     assert proc.returncode == 0, proc.stderr
     for field in ("torch", "CUDA available", "CPU", "cores", "AVX-512", "pinned memory"):
         assert field in proc.stdout
+    assert "CPU AdamW       compiled C pass (" in proc.stdout  # which path runs (tests/test_fused_kernel.py: why not)

@@ -16,6 +16,7 @@ clipped at 1.0): the worst case for overlapping a clipped step.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -27,7 +28,9 @@ from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer
 
 COMMAND = "bin/bench optimizer"
-OURS = ("ours", "ours+assist")  # the second: cpu_offload_gpu_assist=true (the GPU steps some host-resident units)
+# ours+assist: cpu_offload_gpu_assist=true (the GPU steps some host-resident units); ours+torch-cpu:
+# use_torch_optimizer_for_cpu_offload=true (torch's fused CPU AdamW instead of the C pass, no speculation)
+OURS = ("ours", "ours+assist", "ours+torch-cpu")
 
 
 def _megatron_available() -> bool:
@@ -50,7 +53,8 @@ def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
     if kind in OURS:
         opt = HybridDeviceOptimizer(_groups(model, a.weight_decay, True), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                                     offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
-                                    cpu_threads=a.cpu_threads, gpu_assist=kind == "ours+assist")  # fmt: skip
+                                    cpu_threads=a.cpu_threads, gpu_assist=kind == "ours+assist",
+                                    use_torch_optimizer_for_cpu_offload=kind == "ours+torch-cpu")  # fmt: skip
         opt.attach_model(model)
         return opt, lambda: opt.clip_and_step(a.clip_grad)[0]
     from engine import megatron
@@ -134,6 +138,12 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--megatron-fractions", default=None, help="Megatron's fractions (default: --fractions)")
     ap.add_argument("--assist-fractions", default="0.25,0.5,1", help="fractions run again with the GPU assist")
+    ap.add_argument(
+        "--torch-cpu-fractions",
+        default="",
+        help="fractions run again with use_torch_optimizer_for_cpu_offload (torch's fused CPU AdamW)",
+    )
+    ap.add_argument("--json", default=None, help="also write the rows (without per-iteration lists) to this file")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -170,6 +180,7 @@ def main(argv: list[str]) -> int:
           f"median of the last {a.iters - a.warmup}; clip_grad {a.clip_grad}; data {a.data}")  # fmt: skip
     runs = [("ours", float(f)) for f in a.fractions.split(",") if f]
     runs += [("ours+assist", float(f)) for f in a.assist_fractions.split(",") if f]
+    runs += [("ours+torch-cpu", float(f)) for f in a.torch_cpu_fractions.split(",") if f]
     if a.compare == "megatron" and _megatron_available():
         runs += [("megatron", float(f)) for f in (a.megatron_fractions or a.fractions).split(",") if f]
     results = []
@@ -195,6 +206,11 @@ def main(argv: list[str]) -> int:
         print(f"| {r['kind']} | {r['fraction']} | {it} | {r['iter_s'] / base['iter_s']:.2f}x | "
               f"{r['peak'] / 2**30:.2f} GiB | {cpu} | {dl:.2e} | {r['clipped']}/{r['measured']} |")  # fmt: skip
     print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
+    if a.json:
+        keep = ("kind", "fraction", "iter_s", "peak", "cpu_step_s", "setup_s", "host", "clipped", "measured")
+        with open(a.json, "w") as f:
+            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "params": n_params,
+                       "rows": [{k: r[k] for k in keep} for r in results]}, f, indent=1)  # fmt: skip
     return 0
 
 

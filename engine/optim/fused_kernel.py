@@ -3,7 +3,12 @@
 The C file has no Python or torch headers, so it builds in about a second with the system C
 compiler for the machine it runs on (-march=native) and works under any torch version. ctypes
 releases the GIL for the call, so several Python threads run slices of one tensor in parallel.
-Where no compiler is found, `load()` returns None and the caller uses the torch fallback.
+Where it cannot be built or loaded, `load()` returns None, logs why once, and the caller uses torch's
+ops; `status()` says which path runs and why (`bin/train --env` prints it).
+
+The library is cached per user, keyed by everything the machine code depends on: the source, the
+flags, the compiler's identity and version, and the CPU's features (-march=native). Builders on one
+machine (ranks of a job) take a file lock, so one compiles and the others load its result.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: builders still never see half a library (atomic rename), only duplicate work
+    fcntl = None
+
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("csrc") / "fused_adamw.c"
@@ -32,6 +42,7 @@ KIND_NONE = 3
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_status = "not loaded yet"
 
 
 def _cache_dir() -> Path:
@@ -39,54 +50,103 @@ def _cache_dir() -> Path:
     return Path(root) / "offload-engine"
 
 
-def build(flags: list[str] = _FLAGS) -> Path | None:
-    """The shared library for these compiler flags, compiled once per machine into the user's cache."""
+def compiler() -> tuple[str, str] | None:
+    """(path, first line of `--version`) of the C compiler: $CC, else cc, gcc or clang on PATH."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    key = hashlib.sha1(_SRC.read_bytes() + " ".join(flags).encode() + platform.node().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"fused_adamw-{key}.so"
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return None
+    return cc, (out.splitlines() or ["unknown version"])[0]
+
+
+def cpu_features() -> str:
+    """The CPU's feature flags (what -march=native compiles for), or the architecture where not listed."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def cache_key(flags: list[str], compiler_version: str) -> str:
+    parts = [_SRC.read_bytes(), " ".join(flags).encode(), compiler_version.encode(), cpu_features().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def build(flags: list[str] = _FLAGS) -> Path | None:
+    """The shared library for these flags, compiled once per source, compiler and CPU into the user's cache;
+    None where it cannot be built (the reason is in `status()` and the log)."""
+    global _status
+    cc = compiler()
+    if cc is None:
+        _status = "no C compiler found (install gcc or clang, or set CC)"
+        return None
+    out = _cache_dir() / f"fused_adamw-{cache_key(flags, cc[1])}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, str(_SRC), "-o", str(tmp_so)], capture_output=True, text=True)
-        if res.returncode != 0:
-            log.warning("fused CPU AdamW did not build (%s); using the torch fallback", res.stderr.strip()[:500])
-            return None
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see half a library
+    with open(out.with_suffix(".lock"), "w") as lock_file:
+        if fcntl is not None:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)  # another rank may be compiling the same library
+        if out.exists():
+            return out
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = Path(tmp) / out.name
+            res = subprocess.run([cc[0], *flags, str(_SRC), "-o", str(tmp_so)], capture_output=True, text=True)
+            if res.returncode != 0:
+                first = next((ln for ln in res.stderr.splitlines() if "error:" in ln), res.stderr.strip()[:300])
+                _status = f"{cc[1]} did not compile {_SRC.name}: {first.strip()}"
+                return None
+            os.replace(tmp_so, out)  # atomic: a reader never sees half a library
     return out
 
 
 def bind(path: Path) -> ctypes.CDLL:
-    """Open a built library and declare its entry point's C signature."""
+    """Open a built library and declare its entry point's C signature (tests hold it equal to the C)."""
     lib = ctypes.CDLL(str(path))
     f = lib.fused_adamw_f32
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
-    f.argtypes += [ctypes.c_float] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 7
-    f.argtypes += [ctypes.c_int]
+    f.argtypes = ARGTYPES
     return lib
+
+
+ARGTYPES = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
+ARGTYPES += [ctypes.c_float] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 7
+ARGTYPES += [ctypes.c_int]
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None when it cannot be built here (OFFLOAD_ENGINE_NO_FUSED_ADAM=1 forces None)."""
-    global _lib, _tried
+    global _lib, _tried, _status
     with _lock:
         if _tried:
             return _lib
         _tried = True
         if os.environ.get("OFFLOAD_ENGINE_NO_FUSED_ADAM") == "1":
+            _status = "disabled by OFFLOAD_ENGINE_NO_FUSED_ADAM=1"
             return None
         try:
             path = build()
             if path is not None:
                 _lib = bind(path)
-        except OSError as e:  # a library built for another machine, a read-only cache, ...
-            log.warning("fused CPU AdamW unavailable (%s); using the torch fallback", e)
+                _status = f"compiled C pass ({path})"
+        except OSError as e:  # a read-only cache, a library the loader refuses, ...
+            _status = f"the compiled C pass did not load: {e}"
             _lib = None
+        if _lib is None:
+            log.warning("CPU AdamW uses torch's ops: %s", _status)
         return _lib
+
+
+def status() -> str:
+    """Which CPU AdamW path runs here and why: building the library if that was not tried yet."""
+    load()
+    return _status if _lib is not None else f"torch ops: {_status}"
 
 
 def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:

@@ -26,7 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX__)
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,6 +48,27 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
 }
 
+/* fp16: the compiler's _Float16 where it has one (gcc >= 12, clang), which vectorises; else the F16C
+ * instructions (gcc 11 on any x86 with AVX2-era -march=native). Both round to nearest even. */
+#if defined(__FLT16_MAX__)
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+#elif defined(__F16C__)
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+#error "fp16 conversion needs _Float16 (gcc >= 12, clang >= 15) or the F16C instructions (x86 -march=native)"
+#endif
+
 typedef struct {
     float inv_scale, coef, decay, w1, one_minus_w1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size;
 } hyper_t;
@@ -62,7 +83,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
                                                              const int lerp_low) {
     for (int64_t i = 0; i < n; ++i) {
         float gi = gk == KIND_BF16 ? bf16_to_f32(((const uint16_t *)g)[i])
-                 : gk == KIND_F16  ? (float)((const _Float16 *)g)[i]
+                 : gk == KIND_F16  ? f16_to_f32(((const uint16_t *)g)[i])
                                    : ((const float *)g)[i];
         if (has_acc) gi = acc[i] + gi;
         gi = gi * h.inv_scale;
@@ -79,7 +100,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         m_out[i] = mi;
         v_out[i] = vi;
         if (hk == KIND_BF16) ((uint16_t *)half_out)[i] = f32_to_bf16(pi);
-        else if (hk == KIND_F16) ((_Float16 *)half_out)[i] = (_Float16)pi;
+        else if (hk == KIND_F16) ((uint16_t *)half_out)[i] = f32_to_f16(pi);
     }
 }
 

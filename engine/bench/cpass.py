@@ -1,0 +1,138 @@
+"""`bin/bench cpass`: the C AdamW pass against torch's fused CPU AdamW, one call on large tensors.
+
+Both step the same fp32 masters and states from a bf16 gradient and produce the bf16 weights a GPU
+uploads, as the hybrid optimizer's CPU part needs them. The C pass does all of it in one pass; torch's
+`AdamW(fused=True)` needs the casts around it: the gradient to fp32 before, the weights to bf16 after
+(what `use_torch_optimizer_for_cpu_offload` runs). Out of place (the C pass's speculative step writes
+new banks and keeps the old ones) torch first copies p, m and v into the new banks, then steps them.
+
+Rows: G params/s per call (median of --reps after one warm-up), at --threads threads for both (the
+engine's default: the cores this process may use, minus one); torch also at all cores; the torch-ops
+path the engine falls back to where the C pass does not build. Needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.optim import fused_kernel
+from engine.optim.adam_math import Hyper, adamw_scalars
+from engine.optim.cpu_arith import FusedAdamW, TensorStep
+from engine.optim.hybrid import default_cpu_threads
+
+COMMAND = "bin/bench cpass"
+HYPER = Hyper(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, momentum=0.0)
+
+
+def _median_s(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up: first-touch page faults, thread pools
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _torch_adamw(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.optim.AdamW:
+    """torch's fused CPU AdamW over one flat master whose states are the given m and v."""
+    h = HYPER
+    opt = torch.optim.AdamW([p], lr=h.lr, betas=(h.beta1, h.beta2), eps=h.eps, weight_decay=h.weight_decay,
+                            fused=True)  # fmt: skip
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": m, "exp_avg_sq": v}
+    return opt
+
+
+def measure(numel: int, threads: int, reps: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=g)
+    m = torch.randn(numel, generator=g).mul_(1e-3)
+    v = torch.rand(numel, generator=g).mul_(1e-6)
+    grad16 = torch.randn(numel, generator=g).bfloat16()
+    grad32 = torch.empty(numel)  # torch's scratch for the cast gradient
+    half = torch.empty(numel, dtype=torch.bfloat16)
+    p2, m2, v2 = torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)  # out-of-place banks
+    scalars = adamw_scalars(HYPER, 2, 1.0, 1.0)
+    rows: list[dict] = []
+
+    def row(name: str, path: str, where: str, fn: Callable[[], None], n_threads: int) -> None:
+        torch.set_num_threads(n_threads)
+        s = _median_s(fn, reps)
+        rows.append({"name": name, "path": path, "where": where, "threads": n_threads, "s": s,
+                     "gparams_s": numel / s / 1e9})  # fmt: skip
+        print(f"  {name:50s} {where:12s} {numel / s / 1e9:6.2f} G params/s ({s * 1e3:.1f} ms, {n_threads} threads)",
+              flush=True)  # fmt: skip
+
+    p.grad = grad32
+    inplace = _torch_adamw(p, m, v)
+    p2.grad = grad32
+    outofplace = _torch_adamw(p2, m2, v2)
+
+    def torch_kernel() -> None:
+        inplace.step()
+
+    def torch_in_place() -> None:
+        grad32.copy_(grad16)
+        inplace.step()
+        half.copy_(p)
+
+    def torch_out_of_place() -> None:
+        grad32.copy_(grad16)
+        p2.copy_(p), m2.copy_(m), v2.copy_(v)
+        outofplace.step()
+        half.copy_(p2)
+
+    grad32.copy_(grad16)
+    for n_threads in sorted({threads, torch.get_num_threads(), os.cpu_count() or threads}):
+        if n_threads < threads:
+            continue
+        row("torch AdamW(fused=True), fp32 grad (no casts)", "torch", "in place", torch_kernel, n_threads)
+        row("torch AdamW(fused=True) + casts: grad in, bf16 out", "torch", "in place", torch_in_place,
+            n_threads)  # fmt: skip
+        row("torch AdamW(fused=True) + casts + copy to new banks", "torch", "out of place", torch_out_of_place,
+            n_threads)  # fmt: skip
+
+    lib = fused_kernel.load()
+    for name, lib_ in (("C pass", lib), ("torch ops (fallback)", None)):
+        if name == "C pass" and lib is None:
+            print(f"  C pass: not built here ({fused_kernel.status()})")
+            continue
+        arith = FusedAdamW(lib_, threads)
+        step_in = [TensorStep(p, m, v, grad16, p, m, v, half, scalars)]
+        step_out = [TensorStep(p, m, v, grad16, p2, m2, v2, half, scalars)]
+        row(f"{name}, bf16 grad in, bf16 weight out", "c" if lib_ else "torch-ops", "in place",
+            lambda s=step_in, a=arith: a.step(s), threads)  # fmt: skip
+        row(f"{name}, bf16 grad in, bf16 weight out", "c" if lib_ else "torch-ops", "out of place",
+            lambda s=step_out, a=arith: a.step(s), threads)  # fmt: skip
+        arith.close()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=200_000_000, help="parameters per call (one flat tensor)")
+    ap.add_argument("--threads", type=int, default=None, help="default: the engine's (usable cores minus one)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    a = ap.parse_args(argv)
+    threads = a.threads or default_cpu_threads()
+    print(f"{COMMAND}: {a.numel / 1e6:.0f} M parameters per call, torch {torch.__version__}, "
+          f"{os.cpu_count()} cores, C pass: {fused_kernel.status()}")  # fmt: skip
+    rows = measure(a.numel, threads, a.reps)
+    print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "numel": a.numel, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,94 @@
+"""The C pass's build: it builds here (CI fails when it does not), its ctypes signature equals the C
+prototype, the cache key follows what the machine code depends on, failures say why, ranks compile once."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.optim import fused_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """fused_kernel as if never loaded, with its cache in tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("OFFLOAD_ENGINE_NO_FUSED_ADAM", raising=False)
+    for name, value in (("_tried", False), ("_lib", None), ("_status", "not loaded yet")):
+        monkeypatch.setattr(fused_kernel, name, value)
+    return fused_kernel
+
+
+def test_the_c_pass_builds_here():
+    if os.environ.get("OFFLOAD_ENGINE_NO_FUSED_ADAM") == "1":
+        pytest.skip("OFFLOAD_ENGINE_NO_FUSED_ADAM=1")
+    assert fused_kernel.load() is not None, fused_kernel.status()
+    assert fused_kernel.status().startswith("compiled C pass")
+
+
+def test_ctypes_signature_equals_the_c_prototype():
+    src = fused_kernel._SRC.read_text()
+    params = re.search(r"\bint fused_adamw_f32\(([^)]*)\)", src).group(1)
+    expected = []
+    for param in params.split(","):
+        words = param.replace("restrict", "").split()
+        expected.append(ctypes.c_void_p if "*" in param else C_TYPES[words[-2]])
+    assert fused_kernel.ARGTYPES == expected
+
+
+def test_cache_key_follows_source_flags_compiler_and_cpu_not_the_host(monkeypatch):
+    key = fused_kernel.cache_key(["-O3"], "gcc 12.2.0")
+    assert fused_kernel.cache_key(["-O2"], "gcc 12.2.0") != key
+    assert fused_kernel.cache_key(["-O3"], "gcc 11.4.0") != key
+    monkeypatch.setattr("platform.node", lambda: "another-container")
+    assert fused_kernel.cache_key(["-O3"], "gcc 12.2.0") == key
+    monkeypatch.setattr(fused_kernel, "cpu_features", lambda: "sse2")
+    assert fused_kernel.cache_key(["-O3"], "gcc 12.2.0") != key
+
+
+def test_no_compiler_is_said(fresh, monkeypatch):
+    monkeypatch.setattr(fresh, "compiler", lambda: None)
+    assert fresh.load() is None
+    assert fresh.status() == "torch ops: no C compiler found (install gcc or clang, or set CC)"
+
+
+def test_a_compile_error_is_said(fresh, monkeypatch, tmp_path):
+    bad = tmp_path / "bad.c"
+    bad.write_text("int fused_adamw_f32(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(fresh, "_SRC", bad)
+    assert fresh.load() is None
+    assert re.match(r"torch ops: .* did not compile bad.c: .*undeclared_name", fresh.status()), fresh.status()
+
+
+def test_concurrent_builders_compile_once(tmp_path):
+    """Two processes build into an empty cache at once (two ranks): one compiles, both load the library."""
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"
+    real = fused_kernel.compiler()
+    if real is None:
+        pytest.skip("Requires: a C compiler")
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 1\nexec {real[0]} "$@"\n')
+    cc.chmod(0o755)
+    script = textwrap.dedent("""
+        from engine.optim import fused_kernel
+        assert fused_kernel.load() is not None, fused_kernel.status()
+    """)
+    env = dict(os.environ, CC=str(cc), XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env.pop("OFFLOAD_ENGINE_NO_FUSED_ADAM", None)
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    compiles = [line for line in calls.read_text().splitlines() if "fused_adamw.c" in line]
+    assert len(compiles) == 1, compiles
+    assert len(list((tmp_path / "cache" / "offload-engine").glob("*.so"))) == 1
