@@ -7,6 +7,7 @@ The scripts in bin/ and the console scripts pyproject.toml declares are thin cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -15,12 +16,13 @@ import time
 
 from tqdm import tqdm
 
-from engine import checkpoint, dist
+from engine import checkpoint, dist, locks, signals
 from engine.config import Config, ConfigError, load_config
-from engine.engine import initialize
+from engine.engine import Engine, initialize
 from engine.metrics import MetricsLog, format_bytes
-from engine.skips import TrainingDiverged
 from engine.resources import data_path
+from engine.signals import GracefulStop, Stopped
+from engine.skips import TrainingDiverged
 
 DEFAULT_CONFIG = data_path("configs", "default.json")  # inside the wheel, or configs/ in a checkout
 
@@ -76,26 +78,51 @@ def _checkpoint_to_load(cfg: Config) -> str | None:
     return load
 
 
+def _lock_run_files(cfg: Config, stack: contextlib.ExitStack) -> None:
+    """One run per checkpoint folder and metrics file: a second run fails here, before any work."""
+    if cfg.checkpoint.save and dist.is_main():  # rank 0 writes the checkpoints
+        stack.enter_context(locks.holding(cfg.checkpoint.save, "checkpoint.save", directory=True))
+    metrics = dist.rank_path(cfg.logging.metrics_file)
+    if metrics:
+        stack.enter_context(locks.holding(metrics, "logging.metrics_file", directory=False))
+
+
+def _stopped(signum: int, eng: Engine, save: str | None, saved: str | None) -> Stopped:
+    what = f"stopped by {signals.name(signum)} after iteration {eng.iteration}"
+    if saved:
+        return Stopped(128 + signum, f"{what}: checkpoint saved in {saved}; resume with checkpoint.load={save}")
+    why = "checkpoint.save is not set" if not save else "no step was taken in this run"
+    return Stopped(128 + signum, f"{what}: nothing saved ({why})")
+
+
 def train(cfg: Config) -> MetricsLog:
-    """Runs `cfg` to `train.train_iters`, logging metrics and saving checkpoints as configured."""
-    load = _checkpoint_to_load(cfg)
-    eng, _, _ = initialize(config=cfg)
-    if load:
-        eng.load_checkpoint(load)
-        dist.log(f"resumed from {load} at iteration {eng.iteration}")
-    eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
-    log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
-    tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
-    save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
-    bar = tqdm(
-        total=cfg.train.train_iters,
-        initial=eng.iteration,
-        unit="it",
-        dynamic_ncols=True,
-        disable=not (cfg.logging.progress_bar and dist.is_main()),
-    )  # rank 0 only
-    try:
-        while eng.iteration < cfg.train.train_iters:
+    """Runs `cfg` to `train.train_iters`, logging metrics and saving checkpoints as configured.
+
+    After a SIGTERM or SIGINT it finishes the step in progress, saves (with checkpoint.save) and raises
+    signals.Stopped; `train.max_skipped_steps` consecutive non-finite steps raise TrainingDiverged."""
+    with contextlib.ExitStack() as stack:
+        _lock_run_files(cfg, stack)
+        load = _checkpoint_to_load(cfg)
+        stop = stack.enter_context(GracefulStop())
+        eng, _, _ = initialize(config=cfg)
+        if load:
+            eng.load_checkpoint(load)
+            dist.log(f"resumed from {load} at iteration {eng.iteration}")
+        eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
+        log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
+        stack.callback(log.close)
+        tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+        save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
+        bar = tqdm(
+            total=cfg.train.train_iters,
+            initial=eng.iteration,
+            unit="it",
+            dynamic_ncols=True,
+            disable=not (cfg.logging.progress_bar and dist.is_main()),
+        )  # rank 0 only
+        stack.callback(bar.close)
+        first, saved, saved_at, signum = eng.iteration, None, None, None
+        while eng.iteration < cfg.train.train_iters and not (signum := stop.requested(eng.device)):
             start = time.perf_counter()
             loss = eng.train_batch()
             seconds = time.perf_counter() - start
@@ -122,12 +149,13 @@ def train(cfg: Config) -> MetricsLog:
             )
             bar.update(1)
             if save and every and eng.iteration % every == 0:
-                eng.save_checkpoint(save)
-        if save and not (every and eng.iteration % every == 0):
-            eng.save_checkpoint(save)
-    finally:
-        bar.close()
-        log.close()
+                saved, saved_at = eng.save_checkpoint(save), eng.iteration
+        if save and eng.iteration > first and saved_at != eng.iteration:
+            saved, saved_at = eng.save_checkpoint(save), eng.iteration
+        if signum:
+            bar.close()
+            dist.log(log.summary())
+            raise _stopped(signum, eng, save, saved if saved_at == eng.iteration else None)
     return log
 
 
@@ -148,6 +176,10 @@ def train_main(argv: list[str] | None = None) -> int:
         dist.log(log.summary())
         dist.shutdown()
         return 0
+    except Stopped as e:  # a signal: the checkpoint is saved; the line says where
+        print(e, file=sys.stderr)
+        dist.shutdown()
+        return e.code
     except ConfigError as e:
         if args.debug:
             raise
@@ -161,7 +193,8 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         # raised with a message naming the key
-        ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError, TrainingDiverged))
+        ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError, TrainingDiverged,
+                              locks.LockedError))  # fmt: skip
         message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
         print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

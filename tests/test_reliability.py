@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import checkpoint
 from engine.cli import train_main
+from engine.engine import Engine
 from engine.models.gpt import GPT, gpt_loss
 from engine.skips import TrainingDiverged
 
+ROOT = Path(__file__).resolve().parent.parent
 TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
         "model.seq_length=32", "data.max_bytes=65536", "train.global_batch_size=2", "train.micro_batch_size=2",
         "optimizer.lr_warmup_iters=0", "logging.progress_bar=false", "train.precision=fp32"]  # fmt: skip
@@ -138,3 +146,89 @@ def test_bin_train_diverging_exits_1_with_strict_json_metrics(tmp_path, capsys):
     assert code == 0, err
     assert "skipped=3" in err  # tqdm's postfix
     assert "loss 5.5" in out and "-> non-finite, 3 steps skipped (non-finite loss or gradient norm)" in out
+
+
+# --- signals and locks ------------------------------------------------------------------------------------
+
+
+def steps_of(path):
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "iteration" in r]
+
+
+def test_sigterm_saves_and_resumes_to_the_uninterrupted_losses(tmp_path, capsys):
+    """bin/train in a subprocess gets SIGTERM mid-run: it finishes the step, saves, says so, exits 143; while it
+    runs, a second run on its checkpoint folder or metrics file fails at once naming its PID; the resumed
+    run's losses are the uninterrupted run's."""
+    ck, m1 = tmp_path / "ck", tmp_path / "m1.jsonl"
+    schedule = "optimizer.lr_decay_iters=500"  # the schedule of the 500-iteration run, whatever train_iters says
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "train"), *TINY, "train.train_iters=500", schedule,
+                             f"checkpoint.save={ck}", f"logging.metrics_file={m1}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (m1.exists() and len(m1.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        code, _, err = bin_train(capsys, "train.train_iters=2", f"checkpoint.save={ck}", "logging.metrics_file=null")
+        assert code == 1 and err.strip().splitlines() == [
+            f"error: checkpoint.save={str(ck)!r} is in use by another run (PID {proc.pid}); wait for it to finish, "
+            "or set a different checkpoint.save"]  # fmt: skip
+        code, _, err = bin_train(capsys, "train.train_iters=2", f"logging.metrics_file={m1}")
+        assert code == 1 and f"logging.metrics_file={str(m1)!r} is in use by another run (PID {proc.pid})" in err
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    stopped = steps_of(m1)[-1]["iteration"]
+    assert stopped < 500 and checkpoint.load(ck)["iteration"] == stopped
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM after iteration {stopped}: checkpoint saved in {ck / f'iter_{stopped:07d}'}; resume "
+        f"with checkpoint.load={ck}")  # fmt: skip
+    assert "Traceback" not in err
+    total, m0, m2 = stopped + 2, tmp_path / "m0.jsonl", tmp_path / "m2.jsonl"
+    assert bin_train(capsys, f"train.train_iters={total}", schedule, f"logging.metrics_file={m0}")[0] == 0
+    assert bin_train(capsys, f"train.train_iters={total}", schedule, f"logging.metrics_file={m2}",
+                     f"checkpoint.load={ck}")[0] == 0  # fmt: skip
+    straight = [r["loss"] for r in steps_of(m0)]
+    assert [r["loss"] for r in steps_of(m1)] + [r["loss"] for r in steps_of(m2)] == straight
+    assert len(straight) == total
+
+
+def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C (SIGINT, delivered in-process during iteration 3) stops after that step with a checkpoint."""
+    real = Engine.train_batch
+
+    def interrupted(self, *a, **k):
+        if self.iteration == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while iteration 3 is in progress
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "train_batch", interrupted)
+    code, out, err = bin_train(capsys, "train.train_iters=10", f"checkpoint.save={tmp_path}", "logging.metrics_file=null")
+    assert code == 130
+    assert err.strip().splitlines() == [
+        f"stopped by SIGINT after iteration 3: checkpoint saved in {tmp_path / 'iter_0000003'}; resume with "
+        f"checkpoint.load={tmp_path}"]  # fmt: skip
+    assert "iterations 1..3" in out  # the summary of what ran
+    assert checkpoint.load(tmp_path)["iteration"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    code, _, err = bin_train(capsys, "train.train_iters=10", "logging.metrics_file=null")
+    assert code == 130 and err.strip().endswith("nothing saved (checkpoint.save is not set)")
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    script = ("import time, engine.signals as s\nwith s.GracefulStop():\n    print('ready', flush=True)\n"
+              "    time.sleep(60)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the first one only asks the loop to stop
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip() == "SIGTERM again: exiting now, without saving"
