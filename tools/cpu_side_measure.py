@@ -98,6 +98,7 @@ def main() -> None:
     cli.initialize = keep
 
     rows = []
+    print(HEADER, flush=True)
     for job in a.jobs:
         mb, _, clip = job.partition(":")
         mb = int(mb)
@@ -140,20 +141,27 @@ def main() -> None:
             "wall_s": wall,
         }
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        (out / f"spec_{job.replace(':', '_clip')}.json").write_text(json.dumps(row, indent=1))
         opt.close()  # the hooks on the shared model go, the host buffers are freed before the next job
         del eng, opt, part
         gc.collect()
+        print(_row(row), flush=True)
     (out / "cpu_side.json").write_text(json.dumps(rows, indent=1))
-    print("\nspec MiB:clip | ms/iter | host (engine) GiB | host (plan) GiB | peak RSS GiB (before) | peak GPU GiB | "
-          "speculated/units")  # fmt: skip
+    print("\n" + HEADER)
     for r in rows:
-        rss = "n/a" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / GIB:.1f}"
-        ms = "n/a" if r["ms_per_iter"] is None else f"{r['ms_per_iter']:.1f}"
-        print(f"{r['speculation_buffer_mb']:>8}:{r['clip_grad']:<4g} | {ms:>7} | "
-              f"{r['host_bytes_engine'] / GIB:17.2f} | "
-              f"{r['host_bytes_plan'] / GIB:15.2f} | {rss:>8} ({r['rss_before_bytes'] / GIB:.1f}) | "
-              f"{r['peak_gpu_bytes'] / GIB:12.1f} | {r['speculated_units_last_step']}/{r['cpu_units']}")  # fmt: skip
+        print(_row(r))
+
+
+HEADER = ("spec MiB:clip | ms/iter | host (engine) GiB | host (plan) GiB | peak RSS GiB (before) | peak GPU GiB | "
+          "speculated/units")  # fmt: skip
+
+
+def _row(r: dict) -> str:
+    rss = "n/a" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / GIB:.1f}"
+    ms = "n/a" if r["ms_per_iter"] is None else f"{r['ms_per_iter']:.1f}"
+    return (f"{r['speculation_buffer_mb']:>8}:{r['clip_grad']:<4g} | {ms:>7} | {r['host_bytes_engine'] / GIB:17.2f} | "
+            f"{r['host_bytes_plan'] / GIB:15.2f} | {rss:>8} ({r['rss_before_bytes'] / GIB:.1f}) | "
+            f"{r['peak_gpu_bytes'] / GIB:12.1f} | {r['speculated_units_last_step']}/{r['cpu_units']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -162,7 +162,9 @@ class CpuPart:
             e.set()
         self.copies = Transfers(self.cuda, list(self.units))
         self.shipped: dict[str, torch.Tensor] = {}
-        self.timing = {"run_s": 0.0, "compute_s": 0.0}  # last step: whole driver run, and the arithmetic alone
+        # the last step: whole driver run, the arithmetic alone, units stepped out of place during backward (committed
+        # or not), units the GPU assist stepped
+        self.timing = {"run_s": 0.0, "compute_s": 0.0, "speculated": 0, "assisted": 0}
         self.assist: GpuAssist | None = None
         self.assist_thread: ThreadPoolExecutor | None = None
         if gpu_assist:
