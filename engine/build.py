@@ -19,7 +19,7 @@ def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
         return megatron.build_gpt(m, device=device, seed=seed)
     layers = None
     if m.use_te:
-        from engine.megatron.te import build_te_layers
+        from engine.models.te import build_te_layers
 
         layers = build_te_layers(num_layers=m.num_layers, hidden_size=m.hidden_size,
                                  num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,

@@ -50,6 +50,7 @@ BENCHES = {
     "activations": "engine.bench.activations",
     "scale": "engine.bench.scale",
     "cpass": "engine.bench.cpass",
+    "floors": "engine.bench.floors",
 }
 
 

@@ -243,7 +243,7 @@ def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     m = c.model
     if not m.use_te:
         return
-    from engine.megatron.availability import te_missing
+    from engine.extras import te_missing
 
     if (why := te_missing()) is not None:
         yield Problem("model.use_te", f"{why}, or set model.use_te=false")

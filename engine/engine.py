@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist
+from engine import checkpoint, dist, extras
 from engine.build import build_model, build_optimizer, named_parameter_groups
 from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
@@ -300,7 +300,7 @@ def initialize(
     torch.manual_seed(cfg.train.seed)
     if model is None:
         model = build_model(cfg.model, device, cfg.train.seed)
-    elif "megatron" in type(model).__module__:
+    elif extras.is_megatron_gpt(model):  # a user's megatron-core GPTModel gets the adapter
         from engine import megatron
 
         model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)

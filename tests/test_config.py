@@ -561,7 +561,7 @@ def test_write_without_markers_fails(tmp_path, capsys):
 
 @pytest.mark.parametrize("installed", [False, True])
 def test_use_te_needs_transformer_engine_and_cuda(monkeypatch, installed):
-    from engine.megatron import availability
+    from engine import extras as availability
 
     monkeypatch.setattr(availability, "te_available", lambda: installed)
     monkeypatch.setattr(availability, "_import_error", lambda module: "absent")

@@ -92,3 +92,17 @@ def test_concurrent_builders_compile_once(tmp_path):
     compiles = [line for line in calls.read_text().splitlines() if "fused_adamw.c" in line]
     assert len(compiles) == 1, compiles
     assert len(list((tmp_path / "cache" / "offload-engine").glob("*.so"))) == 1
+
+
+def test_bench_cpass_rows(tmp_path):
+    """`bin/bench cpass` at a tiny size: every path in and out of place, rates that are rates."""
+    import json
+
+    from engine.bench import cpass
+
+    out = tmp_path / "cpass.json"
+    assert cpass.main(["--numel", "70000", "--reps", "1", "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    have = {(r["path"], r["where"]) for r in rows}
+    assert have >= {(p, w) for p in ("torch", "c", "torch-ops") for w in ("in place", "out of place")}
+    assert all(r["gparams_s"] > 0 for r in rows)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import megatron
+from engine.models.te import build_te_layers
 
 SHAPE = SimpleNamespace(
     num_layers=2,
@@ -51,10 +52,25 @@ def test_plain_modules_are_not_megatron_models():
     assert megatron.as_engine_module(m) is m
 
 
+def test_a_plain_model_never_imports_megatron_core():
+    """initialize() asks extras.is_megatron_gpt of every user model: for any other model it must not pay for
+    importing megatron-core (seconds) nor fail where megatron-core is installed but broken."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch, engine; from engine import extras; "
+              "assert not extras.is_megatron_gpt(torch.nn.Linear(2, 2)); "
+              "engine.initialize(model=torch.nn.Linear(2, 2), config={'train': {'device': 'cpu'}}, "
+              "loss_fn=torch.nn.functional.mse_loss); "
+              "assert 'megatron.core' not in sys.modules, 'imported'")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.skipif(megatron.te_available(), reason="Transformer Engine is installed: the error cannot show")
 def test_te_layers_without_transformer_engine_name_the_te_extra():
     with pytest.raises(megatron.MissingExtraError) as e:
-        megatron.build_te_layers(num_layers=2, hidden_size=32, num_attention_heads=4)
+        build_te_layers(num_layers=2, hidden_size=32, num_attention_heads=4)
     assert str(e.value).startswith("model.use_te=true needs Transformer Engine: pip install -e '.[te]'")
 
 

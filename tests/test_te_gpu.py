@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine.megatron.availability import te_available
+from engine.extras import te_available
 
 # cuDNN's fused-attention backward accumulates with atomics unless told not to; offloading must change nothing
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")

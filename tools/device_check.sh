@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bin/train --env | tee "$OUT/env.txt"
 
-STAGES=${STAGES:-"tests parity bench megatron"}  # "te" too, after: source tools/te_device_setup.sh
+STAGES=${STAGES:-"tests parity bench megatron"}  # "te" too, after: source tools/device/te_setup.sh
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 
 stage tests && echo "== GPU tests" && timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -8

@@ -6,13 +6,14 @@
     model = megatron.as_engine_module(user_model)  # a user's GPTModel behind the same adapter
     opt = megatron.build_hybrid_optimizer(model, cfg.optimizer)   # megatron-core's HybridDeviceOptimizer (CUDA)
 
-Module map: availability (is it installed, the install hints), parallel (torch.distributed + parallel_state
-set-up), attention (a CPU-capable core attention for the local spec), gpt (GPTModel from `model.*` and its
-adapter), optimizer (HybridDeviceOptimizer built as Megatron builds it, with the engine's step protocol),
-te (Transformer Engine layers for the built-in GPT). Nothing here imports megatron-core until it is used.
+Module map: parallel (torch.distributed + parallel_state set-up), attention (a CPU-capable core attention for
+the local spec), gpt (GPTModel from `model.*` and its adapter), optimizer (HybridDeviceOptimizer built as
+Megatron builds it, with the engine's step protocol). Whether the extras import, and their install hints, is
+engine/extras.py; Transformer Engine blocks for the built-in GPT are engine/models/te.py. Nothing here
+imports megatron-core until it is used.
 """
 
-from engine.megatron.availability import (
+from engine.extras import (
     MissingExtraError,
     available,
     require,
@@ -28,7 +29,6 @@ from engine.megatron.optimizer import (
     megatron_param_groups,
 )
 from engine.megatron.parallel import ensure_model_parallel, teardown
-from engine.megatron.te import build_te_layers
 
 __all__ = [
     "MegatronGPT",
@@ -39,7 +39,6 @@ __all__ = [
     "build_gpt",
     "build_hybrid_optimizer",
     "build_megatron_optimizer",
-    "build_te_layers",
     "ensure_model_parallel",
     "is_gpt_model",
     "megatron_param_groups",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.megatron.availability import require, require_te
+from engine.extras import require, require_te
 from engine.megatron.parallel import ensure_model_parallel
 
 log = logging.getLogger(__name__)
@@ -179,13 +179,9 @@ def build_gpt(
 
 def is_gpt_model(model: nn.Module) -> bool:
     """True for a megatron-core GPTModel (without importing megatron-core when it is absent)."""
-    from engine.megatron.availability import available
+    from engine.extras import is_megatron_gpt
 
-    if not available():
-        return False
-    from megatron.core.models.gpt import GPTModel
-
-    return isinstance(model, GPTModel)
+    return is_megatron_gpt(model)
 
 
 def as_engine_module(model: nn.Module, *, seed: int = 1234, device: torch.device | str | None = None) -> nn.Module:

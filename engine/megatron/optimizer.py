@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.megatron.availability import require
+from engine.extras import require
 
 _GROUP_STEPS = "engine_sub_optimizer_group_steps"  # key of our state dict beside megatron's own
 

@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from engine.megatron.availability import require
+from engine.extras import require
 
 log = logging.getLogger(__name__)
 

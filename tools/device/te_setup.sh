@@ -2,10 +2,10 @@
 # Install Transformer Engine 2.20.2 on the device (no network there) from what travels in carry:
 #   .te/   transformer_engine-2.20.2 (the meta package), pydantic and its needs as wheels;
 #          te_cu13_sm90.tar.xz: the transformer_engine_cu13 wheel's files, its core library's cubins for
-#          every architecture but sm_90 zeroed (tools/fatbin_keep_arch.py: 276 MB wheel -> 27 MB), and
+#          every architecture but sm_90 zeroed (tools/device/fatbin_keep_arch.py: 276 MB wheel -> 27 MB), and
 #          transformer_engine_torch-2.20.2.tar.gz, the sdist of TE's torch extension, built here against
 #          the device's torch into .te/transformer_engine_torch-*.whl (and $OUT), which later calls carry.
-# Usage on the device from the repo root: source tools/te_device_setup.sh   (sets PYTHONPATH=/tmp/site:$PWD)
+# Usage on the device from the repo root: source tools/device/te_setup.sh   (sets PYTHONPATH=/tmp/site:$PWD)
 set -o pipefail
 SITE=/tmp/site
 REPO=$PWD

@@ -1,4 +1,5 @@
-"""Whether the optional extras are importable, and the one-line errors that say which extra to install.
+"""The optional extras in one place: whether they import, the one-line errors that say which extra to install,
+and whether a model in hand comes from one of them.
 
 megatron-core and Transformer Engine stay optional: nothing here imports them at module import time, so the
 engine imports cleanly without either, and a config that asks for them fails with an install hint.
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from functools import cache
+
+from torch import nn
 
 MEGATRON_HINT = "pip install -e '.[megatron]'"
 TE_HINT = "pip install -e '.[te]'"
@@ -71,3 +75,13 @@ def require_te(feature: str) -> None:
     """Raise `MissingExtraError` naming `feature` when Transformer Engine is missing."""
     if (why := te_missing()) is not None:
         raise MissingExtraError(f"{feature} {why}")
+
+
+def is_megatron_gpt(model: nn.Module) -> bool:
+    """True for a megatron-core GPTModel. A model of megatron-core's means megatron.core is imported already,
+    so this never imports it (which takes seconds) for any other model."""
+    if "megatron.core" not in sys.modules or not available():
+        return False
+    from megatron.core.models.gpt import GPTModel
+
+    return isinstance(model, GPTModel)

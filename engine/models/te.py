@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.megatron.availability import require_te
+from engine.extras import require_te
 
 
 def _normal_init(std: float):

@@ -11,7 +11,7 @@ Fatbin layout (as read from the file; NVIDIA does not document it): a container 
 header (u16 kind: 1 PTX / 2 ELF, u16 version, u32 header size, u32 padded payload size, ...,
 u32 sm at byte 28) followed by its payload.
 
-    python tools/fatbin_keep_arch.py LIB.so OUT.so --keep 90
+    python tools/device/fatbin_keep_arch.py LIB.so OUT.so --keep 90
 """
 
 from __future__ import annotations

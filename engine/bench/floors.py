@@ -1,8 +1,9 @@
-"""Floor measurements for the hybrid optimizer on the device (run once, before optimizing).
+"""`bin/bench floors [kernel]`: floor measurements for the hybrid optimizer on the device.
 
 Prints: pinned H2D/D2H bandwidth (alone and both ways at once), torch fused CPU AdamW and our fused
 C pass in params/s at 15 and 16 threads (in place and out of place, alone and under copy traffic),
-and the bench model's forward and backward time.
+and the bench model's forward and backward time. `kernel`: the CPU AdamW rates only. (`bin/bench cpass`
+compares the C pass with torch's fused CPU AdamW plus the casts it saves.)
 """
 
 import os
@@ -13,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from engine.models.gpt import GPT, gpt_loss  # noqa: E402
-from engine.optim import fused_kernel  # noqa: E402
+from engine.models.gpt import GPT, gpt_loss
+from engine.optim import fused_kernel
 
 
 def t_cuda(fn, n=5):
@@ -82,26 +82,13 @@ def cpu_adam(copies):
                 stop.clear()
                 th = threading.Thread(target=traffic)
                 th.start()
-            pp, gg = [p], [g]
-            st = [torch.tensor(1.0)]
+            p.grad = g
+            opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": m, "exp_avg_sq": v}
             ts = []
             for _ in range(4):
                 t = time.perf_counter()
-                torch._fused_adamw_(
-                    pp,
-                    gg,
-                    [m],
-                    [v],
-                    [],
-                    st,
-                    lr=1e-4,
-                    beta1=0.9,
-                    beta2=0.95,
-                    weight_decay=0.1,
-                    eps=1e-8,
-                    amsgrad=False,
-                    maximize=False,
-                )
+                opt.step()
                 ts.append(time.perf_counter() - t)
             if th:
                 stop.set()
@@ -120,7 +107,7 @@ def cpu_adam(copies):
     p2, m2, v2 = torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
     sc = (1.0, 1.0, 1 - 1e-5, 0.1, 0.95, 0.05, 0.99, 1e-8, -1e-4)
     # the kernel as built by default, and with 512-bit vectors on AVX-512 machines
-    flags512 = [*fused_kernel._FLAGS, "-mprefer-vector-width=512"]
+    flags512 = [*fused_kernel.FLAGS, "-mprefer-vector-width=512"]
     variants = {"default": lib, "w512": fused_kernel.bind(fused_kernel.build(flags512))}
     for (vname, vlib), threads in [(v, t) for v in variants.items() for t in (15, 16)]:
         pool = ThreadPoolExecutor(threads)
@@ -186,9 +173,17 @@ def model_time():
     )
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print("bin/bench floors: needs a CUDA device")
+        return 1
     print("cores:", os.cpu_count(), "affinity:", len(os.sched_getaffinity(0)), "torch", torch.__version__)
     copies = bandwidth()
-    if "kernel" not in sys.argv[1:]:  # `kernel`: the CPU AdamW rates only
+    if "kernel" not in argv:  # `kernel`: the CPU AdamW rates only
         model_time()
     cpu_adam(copies)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
