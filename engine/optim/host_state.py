@@ -144,7 +144,8 @@ class HostState:
                 flat_layout[n] = (o, layout.shape[n])
                 o += layout.shape[n].numel()
         self._flat_layout = flat_layout
-        # the home buffers; after a commit a unit's bank may be a spare's slice and a home slice a spare
+        # the home buffers (pinned or not as asked); after a commit a unit's bank may be a spare's slice and a
+        # home slice a spare, so read a parameter's state through state(name), not these buffers' views
         self.master = FlatViews(flat_layout, torch.float32, pin_master)
         self.m = FlatViews(flat_layout, torch.float32, pin_moments) if moments else None
         self.v = FlatViews(flat_layout, torch.float32, pin_moments) if moments else None
@@ -167,13 +168,16 @@ class HostState:
         self.ring = [RingSlot(flat_buffer(largest, half, pin_half)) for _ in range(ring)]
         self._next_slot = 0
         self.scratch = flat_buffer(largest if grad_scratch else 0, torch.float32, False)
-        spares = self._make_spares(units, moments, pin_master, pin_moments, pin_half, spare_budget_bytes)
+        spares, self.spare_flat = self._make_spares(units, moments, pin_master, pin_moments, pin_half,
+                                                    spare_budget_bytes)  # fmt: skip
         self.spares = SparePool(spares)
 
-    def _make_spares(self, units, moments, pin_master, pin_moments, pin_half, budget) -> list[Spare]:
-        self.spare_flat: list[torch.Tensor] = []
+    def _make_spares(
+        self, units, moments, pin_master, pin_moments, pin_half, budget
+    ) -> tuple[list[Spare], list[torch.Tensor]]:
+        """The spares (backward order while they fit the budget) and the flat buffers they are slices of."""
         if not moments or budget <= 0:
-            return []
+            return [], []
         half_bytes = 0 if self.half is None else torch.empty(0, dtype=self.half).element_size()
         numels = [self.layout.numel[u] for u in units]
         sizes = [numels[i] for i in speculation_units(numels, 12 + half_bytes, budget)]
@@ -181,13 +185,12 @@ class HostState:
         p = flat_buffer(total, torch.float32, pin_master)
         m, v = (flat_buffer(total, torch.float32, pin_moments) for _ in range(2))
         h = flat_buffer(total, self.half, pin_half) if self.half is not None else None
-        self.spare_flat = [t for t in (p, m, v, h) if t is not None]
         spares, off = [], 0
         for n in sizes:
             sl = slice(off, off + n)
             spares.append(Spare(Bank(p[sl], m[sl], v[sl]), h[sl] if h is not None else None))
             off += n
-        return spares
+        return spares, [t for t in (p, m, v, h) if t is not None]
 
     # ---- views ----
     def _refresh(self, unit: str) -> None:
