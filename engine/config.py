@@ -24,6 +24,7 @@ from typing import Any, Literal, get_type_hints
 
 from jsonschema import Draft202012Validator
 
+from engine import config_json
 from engine.config_rules import NOT_BUILT, RULES, _blocked
 from engine.resources import data_path
 
@@ -215,9 +216,11 @@ def _read_source(source: Any) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"{path}: cannot read config file: {e}"]) from None
     try:
-        data = json.loads(text)
+        data, problems = config_json.loads(text, str(path))  # duplicate keys, depth and sizes: errors
     except json.JSONDecodeError as e:
         raise ConfigError([f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}"]) from None
+    if problems:
+        raise ConfigError(problems)
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: the top level must be a JSON object, not {_json_type(data)}"])
     return data
@@ -230,16 +233,20 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` -> (section, key, value); the value is JSON, True/False/None, else a string."""
     dotted, sep, value_text = text.partition("=")
     parts = [p.strip() for p in dotted.split(".")]
+    where = f"override {config_json.shorten(text)!r}"
     if not sep or len(parts) != 2 or not all(parts):
-        raise ValueError(
-            f"override {text!r}: expected section.key=value (e.g. optimizer.optimizer_offload_fraction=0.5)"
-        )
+        raise ValueError(f"{where}: expected section.key=value (e.g. optimizer.optimizer_offload_fraction=0.5)")
+    if len(value_text) > config_json.MAX_STRING:
+        raise ValueError(f"{where}: a value of {len(value_text):,} characters; at most {config_json.MAX_STRING:,}")
     if value_text in _PYTHON_SPELLINGS:
         return parts[0], parts[1], _PYTHON_SPELLINGS[value_text]
     try:
-        return parts[0], parts[1], json.loads(value_text)
+        value, problems = config_json.loads(value_text, where)
     except ValueError:
         return parts[0], parts[1], value_text
+    if problems:
+        raise ValueError(problems[0])
+    return parts[0], parts[1], value
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[str]:
@@ -284,10 +291,12 @@ def _fill_defaults(raw: dict[str, Any]) -> None:
 
 
 def _show(value: Any) -> str:
+    """`value` as JSON for a message, shortened when long (a message shows the value, not a megabyte of it)."""
     try:
-        return json.dumps(_plain(value))
-    except (TypeError, ValueError):
-        return repr(value)
+        text = json.dumps(_plain(value))
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return config_json.shorten(text, 80)
 
 
 def _json_type(value: Any) -> str:
@@ -334,7 +343,7 @@ def _suggest(section: str | None, key: str) -> str | None:
 
 def _unknown_key_error(path: list[str | int], key: str, value: Any) -> str:
     section = str(path[0]) if path else None
-    where = _dotted([*path, key])
+    where = config_json.shorten(_dotted([*path, key]))
     what = f"{where}: unknown section" if section is None else f"{where}={_show(value)}: unknown key"
     hint = _suggest(section, key)
     if hint is None:

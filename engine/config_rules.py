@@ -124,12 +124,17 @@ def _min_lr_below_lr(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         yield Problem("optimizer.min_lr", f"must be <= optimizer.lr ({c.optimizer.lr}); lower optimizer.min_lr")
 
 
-@_rule("data.source", "data.path")
+@_rule("data.source", "data.path", "data.token_dtype")
 def _file_sources_need_path(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
-    if c.data.source in ("text", "tokens") and c.data.path is None:
-        yield Problem(
-            "data.path", f'data.source="{c.data.source}" reads a file; set data.path to it or data.source="stdlib"'
-        )
+    d = c.data
+    if d.source in ("text", "tokens") and d.path is None:
+        yield Problem("data.path", f'data.source="{d.source}" reads a file; set data.path to it or data.source="stdlib"')
+    if d.source == "stdlib" and d.path is not None:
+        yield Problem("data.path", 'is read only by data.source "text" or "tokens"; set data.source to the kind of '
+                                   'file it is, or unset data.path')  # fmt: skip
+    if d.source != "tokens" and d.token_dtype != "uint16":
+        yield Problem("data.token_dtype", f'is read only by data.source "tokens", not "{d.source}"; '
+                                          'unset data.token_dtype or set data.source="tokens"')  # fmt: skip
 
 
 @_rule("train.params_dtype", "train.precision")

@@ -39,25 +39,44 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
+def _token_file(path: str, token_dtype: str) -> np.ndarray:
+    size, width = os.path.getsize(path), np.dtype(_TOKEN_DTYPES[token_dtype]).itemsize
+    if size == 0:
+        raise ValueError(f"data.path={path!r} is empty; give a file of {token_dtype} token ids")
+    if size % width:
+        raise ValueError(
+            f"data.path={path!r}: {size} bytes is not a whole number of {token_dtype} tokens ({width} bytes each); "
+            "set data.token_dtype to the file's element type"
+        )
+    return np.memmap(path, dtype=_TOKEN_DTYPES[token_dtype], mode="r")
+
+
 def load_tokens(source: str, path: str | None, token_dtype: str, max_bytes: int, vocab_size: int) -> np.ndarray:
-    """The whole token stream as a 1-D array (memory-mapped for token files)."""
+    """The whole token stream as a 1-D array (memory-mapped for token files). Errors name the key, the file
+    and the offending value."""
     if source == "stdlib":
         tokens = stdlib_bytes(max_bytes)
     elif source == "text":
         if not path or not Path(path).is_file():
             raise FileNotFoundError(f"data.path={path!r}: no such file; give a UTF-8 text file for data.source='text'")
         tokens = np.fromfile(path, dtype=np.uint8)
+        if len(tokens) == 0:
+            raise ValueError(f"data.path={path!r} is empty; give a UTF-8 text file for data.source='text'")
     else:
         if not path or not Path(path).is_file():
             raise FileNotFoundError(
                 f"data.path={path!r}: no such file; give a binary token file for data.source='tokens'"
             )
-        tokens = np.memmap(path, dtype=_TOKEN_DTYPES[token_dtype], mode="r")
-    if len(tokens) == 0:
-        raise ValueError(f"data.path={path!r} holds no tokens")
-    top = int(tokens.max())
+        tokens = _token_file(path, token_dtype)
+    where = f"data.path={path!r}" if path else f"data.source={source!r}"
+    low, top = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise ValueError(f"{where}: token id {low} is negative; check data.token_dtype ({token_dtype!r})")
     if top >= vocab_size:
-        raise ValueError(f"data: token id {top} >= model.vocab_size={vocab_size}; set model.vocab_size > {top}")
+        raise ValueError(
+            f"{where}: token id {top} >= model.vocab_size={vocab_size}; set model.vocab_size > {top}"
+            + (f" or check data.token_dtype ({token_dtype!r})" if source == "tokens" else "")
+        )
     return tokens
 
 

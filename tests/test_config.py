@@ -361,6 +361,10 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
     "_file_sources_need_path": [
         (["data.source=text"], 1, r'data\.path=null: data\.source="text" reads a file; set data\.path'),
         (["data.source=tokens"], 1, r'data\.path=null: data\.source="tokens" reads a file'),
+        (["data.path=corpus.txt"], 1,
+         r'data\.path="corpus\.txt": is read only by data\.source "text" or "tokens"; set data\.source to the kind'),
+        (["data.source=text", "data.path=x", "data.token_dtype=int32"], 1,
+         r'data\.token_dtype="int32": is read only by data\.source "tokens", not "text"; unset'),
     ],
     "_half_params_need_half_precision": [
         (["train.params_dtype=half", "train.precision=fp32"], 1,
@@ -429,6 +433,7 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["train.precision=fp16", "train.loss_scale=1024", "train.loss_scale_window=10"], 1, "fp16"),
     (["train.params_dtype=half", "train.precision=fp16"], 1, "half weights need"),
     (["optimizer.lr_warmup_iters=100"], 1, "lr_warmup_iters"),
+    (["data.source=tokens", "data.path=x", "data.token_dtype=int32"], 1, "is read only by"),
     (["checkpoint.save=x", "checkpoint.keep_last=2", "checkpoint.save_interval=5"], 1, "acts only with"),
     (["checkpoint.load=x", "checkpoint.load_if_exists=true"], 1, "acts only with"),
 ]

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +29,9 @@ TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model
 
 
 def bin_train(capsys, *args: str) -> tuple[int, str, str]:
-    code = train_main([*TINY, *args])
+    """bin/train's exit code, stdout and stderr for TINY plus `args` (a config file first, as bin/train takes it)."""
+    config = list(args[:1]) if args and "=" not in args[0] else []
+    code = train_main([*config, *TINY, *args[len(config):]])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -232,3 +235,67 @@ def test_a_second_signal_exits_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 143 and err.strip() == "SIGTERM again: exiting now, without saving"
+
+
+# --- data and config errors: one line naming the key, the file and the value --------------------------------
+
+
+@pytest.mark.parametrize(
+    "content, dtype, message",
+    [
+        (b"abc", "uint16", "{p}: 3 bytes is not a whole number of uint16 tokens (2 bytes each); set data.token_dtype "
+                           "to the file's element type"),
+        (b"", "uint16", "{p} is empty; give a file of uint16 token ids"),
+        (np.array([1, 2, 300] * 50, np.uint16).tobytes(), "uint16",
+         "{p}: token id 300 >= model.vocab_size=256; set model.vocab_size > 300 or check data.token_dtype ('uint16')"),
+        (np.array([1, -5, 3] * 50, np.int32).tobytes(), "int32",
+         "{p}: token id -5 is negative; check data.token_dtype ('int32')"),
+    ],
+)  # fmt: skip
+def test_token_file_errors_name_key_file_and_value(tmp_path, capsys, content, dtype, message):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(content)
+    code, _, err = bin_train(capsys, "train.train_iters=1", "logging.metrics_file=null", "data.source=tokens",
+                             f"data.path={path}", f"data.token_dtype={dtype}", "data.max_bytes=16777216")  # fmt: skip
+    assert code == 1
+    assert err.strip().splitlines() == ["error: " + message.format(p=f"data.path={str(path)!r}")]
+
+
+def test_data_path_without_a_file_source_is_rejected(capsys):
+    code, _, err = bin_train(capsys, "data.path=corpus.txt")
+    assert code == 2 and err.strip().splitlines() == [
+        'error: data.path="corpus.txt": is read only by data.source "text" or "tokens"; set data.source to the kind '
+        "of file it is, or unset data.path"]  # fmt: skip
+
+
+def test_config_json_edge_cases_exit_2_with_a_short_line(tmp_path, capsys):
+    cases = {
+        '{"optimizer": {"lr": 0.1, "lr": 0.2}}': ["{f}: duplicate key optimizer.lr; JSON would keep only its last "
+                                                  "value: remove the other"],
+        '{"train": {}, "train": {}}': ["{f}: duplicate key train; JSON would keep only its last value: remove the "
+                                       "other"],
+        "[" * 100_000 + "]" * 100_000: ["{f}: nested too deeply to parse; a config nests at most 8 levels"],
+        '{"model": {"offload_modules": [[[[[[[[["mlp"]]]]]]]]]}}': [
+            "{f}: nested more than 8 levels deep (at model.offload_modules[0][0][0][0][0][0]); a config is "
+            "sections of keys with plain values"],
+        '{"data": {"path": "' + "x" * 13_000_000 + '"}}': [
+            "{f}: 13,000,022 characters; a config is at most 1,048,576 (is this a config?)"],
+        '{"data": {"path": "' + "x" * 5000 + '"}}': ["{f}: data.path is a string of 5,000 characters; at most 4096"],
+    }  # fmt: skip
+    for i, (text, lines) in enumerate(cases.items()):
+        f = tmp_path / f"c{i}.json"
+        f.write_text(text)
+        code, _, err = bin_train(capsys, str(f))
+        assert code == 2, err[:300]
+        assert err.strip().splitlines() == ["error: " + line.format(f=f) for line in lines]
+
+
+def test_override_edge_cases_exit_2_with_a_short_line(capsys):
+    code, _, err = bin_train(capsys, "data.path=" + "y" * 5000)
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: override 'data.path={'y' * 50}... (5,010 characters)': a value of 5,000 characters; at most 4,096"]
+    code, _, err = bin_train(capsys, "model.offload_modules=" + "[" * 2000 + "]" * 2000)
+    assert code == 2 and "nested too deeply to parse" in err and len(err) < 300
+    code, _, err = bin_train(capsys, "model.num_layers=" + json.dumps(list(range(500))))
+    assert code == 2 and err.startswith("error: model.num_layers=[0, 1, 2, ") and "characters): expected integer" in err
+    assert len(err) < 300  # the value is shown shortened, not whole
