@@ -182,3 +182,21 @@ def test_gpt_keeps_the_weights_of_blocks_built_elsewhere():
     assert gpt.layers is blocks
     assert all(torch.all(p == 0.5) for p in blocks.parameters())
     assert torch.all(gpt.final_norm.weight == 1) and gpt.embedding.weight.std() > 0
+
+
+def test_one_parameter_grouping_for_every_optimizer():
+    """Matrices decay; biases (whatever their shape), norm weights and scalars do not; megatron's grouping is the
+    same function with bare tensors."""
+    from torch import nn
+
+    from engine.build import named_parameter_groups
+    from engine.megatron.optimizer import megatron_param_groups
+
+    m = nn.Module()
+    m.w, m.norm, m.scale = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(()))
+    m.bias = nn.Parameter(torch.ones(2, 2))  # a 2-D bias, as some attention layers hold
+    named = named_parameter_groups(m, None, 0.1)
+    assert [[n for n, _ in g["params"]] for g in named] == [["w"], ["norm", "scale", "bias"]]
+    assert [g["weight_decay"] for g in named] == [0.1, 0.0]
+    bare = megatron_param_groups(m, 0.1)
+    assert [[id(p) for p in g["params"]] for g in bare] == [[id(p) for _, p in g["params"]] for g in named]

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from engine.build import named_parameter_groups
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer
@@ -42,10 +43,7 @@ def _megatron_available() -> bool:
 
 
 def _groups(model: torch.nn.Module, wd: float, named: bool) -> list[dict]:
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append((n, p) if named else p)
-    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    return named_parameter_groups(model, None, wd, named=named)
 
 
 def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:

@@ -34,14 +34,11 @@ HDO_NEEDS_CUDA = (
 
 
 def megatron_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """megatron-core's default grouping: no weight decay for biases and 1-D parameters (norms)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    """megatron-core's default grouping (no weight decay for biases and 1-D parameters), bare tensors: the
+    engine's one grouping, `engine.build.named_parameter_groups`."""
+    from engine.build import named_parameter_groups
+
+    return named_parameter_groups(model, None, weight_decay, named=False)
 
 
 def _plain_groups(groups: Iterable[dict]) -> list[dict]:
