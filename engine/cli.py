@@ -14,9 +14,11 @@ import os
 import sys
 import time
 
+import torch
 from tqdm import tqdm
 
-from engine import checkpoint, dist, locks, signals
+from engine import checkpoint, dist, locks, preflight, signals
+from engine.budget import Budgets, parse_gib, peak_rss_bytes
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
 from engine.metrics import MetricsLog, format_bytes
@@ -36,7 +38,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--env", action="store_true", help="print an environment report and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    p.add_argument("--plan", action="store_true", help="print the memory plan (bytes per device, by part) and exit")
+    p.add_argument("--json", action="store_true", help="with --plan: print it as JSON")
+    p.add_argument("--gpu-memory", metavar="GIB", help="plan against this much GPU memory (assumes CUDA)")
+    p.add_argument("--host-memory", metavar="GIB", help="plan against this much host memory")
     return p
+
+
+def _budgets(args: argparse.Namespace) -> Budgets:
+    try:
+        gpu = None if args.gpu_memory is None else parse_gib("--gpu-memory", args.gpu_memory)
+        host = None if args.host_memory is None else parse_gib("--host-memory", args.host_memory)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    return Budgets(gpu, host)
+
+
+def show_plan(cfg: Config, budgets: Budgets, as_json: bool) -> int:
+    """`bin/train CONFIG --plan [--json]`: the plan, "auto" resolved; exit 2 (one line) when it does not fit."""
+    from engine.plan import NothingFits, format_plan, planner, resolve
+    from engine.preflight import refusal
+
+    p = planner(cfg, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes)
+    try:
+        result = resolve(p)
+    except NothingFits as e:
+        raise ConfigError([str(e)]) from None
+    print(json.dumps(result.to_json(), indent=2) if as_json else format_plan(result, p.settings))
+    if not result.fits:
+        print(f"error: {refusal(p, result)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _split_args(args: list[str]) -> tuple[str, list[str]]:
@@ -96,7 +128,7 @@ def _stopped(signum: int, eng: Engine, save: str | None, saved: str | None) -> S
     return Stopped(128 + signum, f"{what}: nothing saved ({why})")
 
 
-def train(cfg: Config) -> MetricsLog:
+def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
     """Runs `cfg` to `train.train_iters`, logging metrics and saving checkpoints as configured.
 
     After a SIGTERM or SIGINT it finishes the step in progress, saves (with checkpoint.save) and raises
@@ -105,7 +137,7 @@ def train(cfg: Config) -> MetricsLog:
         _lock_run_files(cfg, stack)
         load = _checkpoint_to_load(cfg)
         stop = stack.enter_context(GracefulStop())
-        eng, _, _ = initialize(config=cfg)
+        eng, _, _ = initialize(config=cfg, memory_budgets=budgets)
         if load:
             eng.load_checkpoint(load)
             dist.log(f"resumed from {load} at iteration {eng.iteration}")
@@ -138,6 +170,11 @@ def train(cfg: Config) -> MetricsLog:
                 "host_offload_bytes": eng.host_bytes(),
                 "skipped": eng.last_step_skipped,
                 "skipped_steps": eng.skips.total,  # this run's, non-finite or fp16 overflow
+                "peak_host_rss_bytes": peak_rss_bytes(),  # VmHWM: the whole process, pinned buffers included
+                "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved() if eng.device.type == "cuda" else 0,
+                # the memory plan's choices ("auto" resolved by initialize)
+                "optimizer_offload_fraction": eng.config.optimizer.optimizer_offload_fraction,
+                "cpu_offloading_num_layers": eng.config.model.cpu_offloading_num_layers,
             }
             if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
                 log.write(record)
@@ -161,7 +198,7 @@ def train(cfg: Config) -> MetricsLog:
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # flags may come between or after the overrides
     try:
         if args.env:
             from engine.envreport import env_report
@@ -170,10 +207,13 @@ def train_main(argv: list[str] | None = None) -> int:
             return 0
         config_path, overrides = _split_args(args.args)
         cfg = load_config(config_path, overrides)
+        budgets = _budgets(args)
         if args.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
-        log = train(cfg)
+        if args.plan or args.json:
+            return show_plan(cfg, budgets, args.json)
+        log = train(cfg, budgets)
         dist.log(log.summary())
         dist.shutdown()
         return 0
@@ -190,6 +230,11 @@ def train_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError as e:  # what the plan said, what failed, which keys to change
+        if args.debug:
+            raise
+        print(f"error: {dist.report_failure(preflight.oom_line(e))}", file=sys.stderr)
+        return 1
     except Exception as e:  # one line for users; --debug shows the traceback
         if args.debug:
             raise

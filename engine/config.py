@@ -43,7 +43,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     use_te: bool = False
     cpu_offloading: bool = False
-    cpu_offloading_num_layers: int = 0
+    cpu_offloading_num_layers: int | str = 0  # or "auto": resolved by the memory plan in initialize
     cpu_offloading_activations: bool = True
     cpu_offloading_weights: bool = False
     cpu_offloading_double_buffering: bool = False
@@ -71,7 +71,7 @@ class OptimizerConfig:
     lr_decay_iters: int | None = None
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 0.0
+    optimizer_offload_fraction: float | str = 0.0  # or "auto": resolved by the memory plan in initialize
     overlap_cpu_optimizer_d2h_h2d: bool = False
     use_torch_optimizer_for_cpu_offload: bool = False
     pin_cpu_grads: bool = True
@@ -363,6 +363,9 @@ def _expected(error: Any, path: list[str | int]) -> str:
     bounds = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
     if kind in bounds:
         return f"{leaf} must be {bounds[kind]} {limit}"
+    if kind == "pattern" and limit.startswith("^") and limit.endswith("$"):  # a number or a word ("auto")
+        kinds = [t for t in ([spec["type"]] if isinstance(spec["type"], str) else spec["type"]) if t != "string"]
+        return f"expected {' or '.join(kinds)} or \"{limit[1:-1]}\""
     if kind == "minLength":
         return "expected a non-empty string"
     if kind == "uniqueItems":

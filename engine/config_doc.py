@@ -32,6 +32,9 @@ def _type(prop: dict[str, Any]) -> str:
         names = {"string" if isinstance(v, str) else "null" for v in prop["enum"]}
         return " or ".join(sorted(names, key=lambda n: n == "null"))
     types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+    word = prop.get("pattern", "")
+    if word.startswith("^") and word.endswith("$"):  # a number or one word ("auto")
+        types = [f'"{word[1:-1]}"' if t == "string" else t for t in types]
     if "array" in types and "items" in prop:
         types = [f"array of {prop['items']['type']}" if t == "array" else t for t in types]
     return " or ".join(types)

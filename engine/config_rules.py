@@ -36,12 +36,27 @@ def _rule(*reads: str) -> Callable[[Rule], Rule]:
 @_rule("model.cpu_offloading", "model.cpu_offloading_num_layers", "model.num_layers")
 def _offloaded_layer_count(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     m = c.model
+    if m.cpu_offloading_num_layers == "auto":  # the memory plan picks it, within range (_auto_needs_its_switch)
+        return
     if m.cpu_offloading and (m.cpu_offloading_num_layers < 0 or m.cpu_offloading_num_layers >= m.num_layers):
         yield Problem(
             "model.cpu_offloading_num_layers",
             f"CPU offloading can be done only for layers less than {m.num_layers}; "
             f"set model.cpu_offloading_num_layers between 0 and {m.num_layers - 1}",
         )
+
+
+@_rule("model.cpu_offloading", "model.cpu_offloading_num_layers", "optimizer.optimizer_cpu_offload",
+       "optimizer.optimizer_offload_fraction")
+def _auto_needs_its_switch(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    # "auto" is resolved by the memory plan in initialize; it chooses among what the switch turns on
+    if c.model.cpu_offloading_num_layers == "auto" and not c.model.cpu_offloading:
+        yield Problem("model.cpu_offloading_num_layers",
+                      'is chosen by the memory plan only with model.cpu_offloading=true; set it, or give a number')
+    if c.optimizer.optimizer_offload_fraction == "auto" and not c.optimizer.optimizer_cpu_offload:
+        yield Problem("optimizer.optimizer_offload_fraction",
+                      "is chosen by the memory plan only with optimizer.optimizer_cpu_offload=true; set it, or give "
+                      "a number")
 
 
 @_rule("model.cpu_offloading", "model.pipeline_model_parallel_size")

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras
+from engine import checkpoint, dist, extras, preflight
+from engine.budget import Budgets
 from engine.build import build_model, build_optimizer, named_parameter_groups
 from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
@@ -287,16 +288,20 @@ def initialize(
     config: str | dict | Config | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     overrides: Iterable[str] = (),
+    memory_budgets: Budgets | None = None,
 ) -> tuple[Engine, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, lr_scheduler)`.
 
     `model=None` builds the model `model.*` describes. `optimizer=None` builds the one `optimizer.*`
     describes over `model_parameters` (default: all trainable parameters); a given optimizer is used
-    as-is, with the config's schedule applied to each group's own lr.
+    as-is, with the config's schedule applied to each group's own lr. Before anything large is allocated the
+    memory plan resolves "auto" values and refuses what cannot fit (engine.preflight; memory_budgets: plan
+    against other budgets than this machine's).
     """
     cfg = config if isinstance(config, Config) and not overrides else load_config(config or {}, list(overrides))
     world = dist.setup_for(cfg)  # joins torchrun's process group; a no-op for one process
     device = _pick_device(cfg.train.device)
+    cfg = preflight.check(cfg, model, device, world, memory_budgets)  # "auto" resolved; refuses what cannot fit
     torch.manual_seed(cfg.train.seed)
     if model is None:
         model = build_model(cfg.model, device, cfg.train.seed)

@@ -201,8 +201,10 @@ def test_parse_override_values(text, expected):
 
 
 def test_override_type_error_names_the_key():
-    with pytest.raises(ConfigError, match=r'^optimizer\.optimizer_offload_fraction="abc": expected number$'):
+    with pytest.raises(ConfigError, match=r'^optimizer\.optimizer_offload_fraction="abc": expected number or "auto"$'):
         load_config({}, ["optimizer.optimizer_offload_fraction=abc"])
+    with pytest.raises(ConfigError, match=r"^model\.cpu_offloading_num_layers=true: expected integer or string$"):
+        load_config({}, ["model.cpu_offloading_num_layers=true"])
 
 
 @pytest.mark.parametrize("bad", ["optimizer_offload_fraction=0.5", "optimizer.lr", "a.b.c=1", "=1", ".lr=1"])
@@ -316,6 +318,13 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"CPU offloading can be done only for layers less than 4; "
          r"set model\.cpu_offloading_num_layers between 0 and 3"),
     ],
+    "_auto_needs_its_switch": [
+        (["model.cpu_offloading_num_layers=auto"], 1,
+         r'model\.cpu_offloading_num_layers="auto": is chosen by the memory plan only with model\.cpu_offloading=true'),
+        (["optimizer.optimizer_offload_fraction=auto"], 1,
+         r'optimizer\.optimizer_offload_fraction="auto": is chosen by the memory plan only with '
+         r"optimizer\.optimizer_cpu_offload=true"),
+    ],
     "_offload_without_pipeline": [
         (CPU_OFFLOAD + ["model.pipeline_model_parallel_size=2"], 1,
          r"model\.pipeline_model_parallel_size=2: Currently there is no support for Pipeline parallelism with CPU "
@@ -425,6 +434,10 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=3"], 1, "CPU offloading can be done only"),
     (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=0"], 1, "CPU offloading can be done only"),
     (["model.cpu_offloading_num_layers=9"], 1, "CPU offloading can be done only"),  # offloading off: not checked
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto"], 1, "CPU offloading can be done only"),
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto"], 1, "is chosen by the memory plan"),
+    (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
+      "optimizer.optimizer_offload_fraction=auto"], 1, "is chosen by the memory plan"),
     (["model.recompute_granularity=full"], 1, "activation recomputation"),
     (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1, "requires use_distrib"),
     (["train.global_batch_size=16", "train.micro_batch_size=4"], 2, "must be divisible"),
@@ -540,7 +553,7 @@ def test_rendered_reference_has_every_key():
             assert prop["description"].replace("|", "\\|") in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
     assert len(rows) == sum(len(p) for p in section_properties().values())
-    assert "| optimizer | `optimizer_offload_fraction` | number | `0.0` | [0.0, 1.0] |" in table
+    assert '| optimizer | `optimizer_offload_fraction` | number or "auto" | `0.0` | [0.0, 1.0] |' in table
 
 
 def test_write_and_check(tmp_path, capsys):

@@ -1,0 +1,145 @@
+"""The memory plan: the bytes each device will hold, by part, for a config and optionally a user's model.
+
+    import engine
+    p = engine.plan("configs/13b-h200.json", gpu_budget_bytes=139 << 30, host_budget_bytes=125 << 30)
+    p.fits, p.fraction, p.offloaded_layers, p.gpu.parts, p.host.total_bytes, p.to_json()
+
+Pure: nothing large is allocated and nothing is changed (the built-in GPT is built on the meta device; a user's
+model runs one layer's forward at <= 128 tokens to measure its activations, RNG state restored). The parts and
+phases are engine.plan_memory's, the activations engine.plan_activations', "auto" engine.plan_auto's; this
+module puts them together and renders them for `bin/train --plan` (a table) and `--plan --json`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import budget
+from engine.config import Config, load_config
+from engine.plan_auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
+from engine.plan_census import builtin_census, model_census
+from engine.plan_memory import DevicePlan, Plan, settings_of
+
+__all__ = ["DevicePlan", "NothingFits", "Plan", "format_plan", "plan", "planner"]
+
+
+def target_is_cuda(cfg: Config, device: str | None, gpu_budget_bytes: int | None) -> bool:
+    """The device planned for: as given; CUDA when a GPU budget is given (sizing a GPU job from anywhere);
+    else train.device, with "auto" meaning CUDA where torch sees one."""
+    if device is not None:
+        return device == "cuda"
+    if gpu_budget_bytes is not None:
+        return True
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
+def planner(
+    config: str | os.PathLike[str] | Mapping[str, Any] | Config,
+    model: nn.Module | None = None,
+    *,
+    gpu_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    device: str | None = None,
+    data_parallel_size: int | None = None,
+    measure_activations: bool = True,
+    example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+) -> Planner:
+    """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names)."""
+    cfg = config if isinstance(config, Config) else load_config(config)
+    cuda = target_is_cuda(cfg, device, gpu_budget_bytes)
+    world = data_parallel_size or int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = gpu_budget_bytes
+    if gpu is None and cuda:
+        gpu = budget.gpu_free(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    host = host_budget_bytes if host_budget_bytes is not None else budget.host_available()
+    if model is None:
+        census = builtin_census(cfg, cuda=cuda)
+    else:
+        census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input)
+    return Planner(cfg, census, settings_of(cfg, world), cuda=cuda, gpu_budget=gpu, host_budget=host)
+
+
+def plan(
+    config: str | os.PathLike[str] | Mapping[str, Any] | Config,
+    model: nn.Module | None = None,
+    *,
+    gpu_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    device: str | None = None,
+    data_parallel_size: int | None = None,
+    measure_activations: bool = True,
+    example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+) -> Plan:
+    """The memory plan of `config` (a path, dict or Config) for the built-in GPT, or for `model`.
+
+    gpu_budget_bytes / host_budget_bytes: plan for another machine (None: this one's free CUDA memory and the
+    host memory available to this process). A GPU budget makes the plan assume CUDA (pinned pools, CUDA's
+    kernels) whatever this machine has; device="cpu" / "cuda" says so explicitly. "auto" values are resolved
+    (NothingFits, a ValueError, when none fits). example_input(batch, seq, device) -> forward args for a user
+    model whose forward does not take token ids [batch, seq]."""
+    p = planner(config, model, gpu_budget_bytes=gpu_budget_bytes, host_budget_bytes=host_budget_bytes,
+                device=device, data_parallel_size=data_parallel_size, measure_activations=measure_activations,
+                example_input=example_input)  # fmt: skip
+    return resolve(p)
+
+
+def resolve(p: Planner) -> Plan:
+    """The plan at the config's values, "auto" ones chosen."""
+    fraction = p.cfg.optimizer.optimizer_offload_fraction
+    layers = p.cfg.model.cpu_offloading_num_layers
+    auto = {"optimizer.optimizer_offload_fraction": fraction == "auto",
+            "model.cpu_offloading_num_layers": layers == "auto"}
+    if any(auto.values()):
+        chosen = p.resolve(fraction, layers)
+    else:
+        chosen = p.evaluate(float(fraction), int(layers))
+    return replace(chosen, auto=auto)
+
+
+# --- rendering -------------------------------------------------------------------------------------------------
+
+
+def _row(name: str, n: int, width: int = 34) -> str:
+    return f"  {name:<{width}} {n / 2**30:>9.2f} GiB"
+
+
+def _device_block(title: str, d: DevicePlan) -> list[str]:
+    lines = [f"{title} (peak during {d.phase})"]
+    lines += [_row(k, v) for k, v in d.parts.items() if v]
+    budget_text = f"{gib(d.budget_bytes)} GiB available" if d.budget_bytes is not None else "no budget checked"
+    verdict = "" if d.budget_bytes is None else ("  fits" if d.fits else "  DOES NOT FIT")
+    lines.append(f"  {'total':<34} {d.total_bytes / 2**30:>9.2f} GiB  of {budget_text}{verdict}")
+    lines.append("  phases: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in d.phases.items()))
+    return lines
+
+
+def format_plan(p: Plan, s: Any = None) -> str:
+    """The readable table `bin/train --plan` prints."""
+    mark = {True: " (auto)", False: ""}
+    lines = [
+        f"memory plan: {p.parameters / 1e9:.2f} B parameters, {p.cpu_parameters / 1e9:.2f} B stepped on the CPU",
+        f"  optimizer.optimizer_offload_fraction = {p.fraction:.2f}"
+        f"{mark[p.auto.get('optimizer.optimizer_offload_fraction', False)]}",
+        f"  model.cpu_offloading_num_layers = {p.offloaded_layers}"
+        f"{mark[p.auto.get('model.cpu_offloading_num_layers', False)]}",
+        f"  activations: {p.layer_activation_bytes / 2**20:.1f} MiB per layer ({p.activations_source}); an offloaded "
+        f"layer moves {p.offloaded_layer_bytes / 2**20:.1f} MiB to the host",
+    ]
+    if s is not None:
+        lines.append(f"  offloading adds ~{1000 * added_seconds(p, s):.0f} ms per step (PCIe "
+                     f"{PCIE_BYTES_PER_S / 1e9:.0f} GB/s, CPU step {CPU_PARAMS_PER_S / 1e9:.1f} G params/s; "
+                     "upper bounds)")  # fmt: skip
+    lines.append("")
+    lines += _device_block("GPU" if p.gpu.device == "cuda" else "device (CPU)", p.gpu)
+    lines.append("")
+    lines += _device_block("host", p.host)
+    lines += [f"note: {n}" for n in p.notes]
+    lines.append(f"fits: {'yes' if p.fits else 'no'}")
+    return "\n".join(lines)
+

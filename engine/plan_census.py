@@ -1,0 +1,219 @@
+"""The model's side of the memory plan: its parameters in the optimizer's order, its layers, its activations.
+
+The built-in GPT is built on the meta device (`with torch.device("meta")`): every parameter's name and shape,
+no storage. A user's model is read as it is (names, shapes, dtypes and where it lives); its activations are
+measured by engine.plan_activations when asked. Nothing here depends on the offload fraction or on how many
+layers are offloaded, so "auto" evaluates many of those against one census.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import Config
+from engine.optim.partition import forward_order, unit_of
+from engine.plan_activations import Activations, gpt_activations, measured_activations
+from engine.precision import autocast
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class Sized:
+    """A parameter's element count where the split (engine.optim.partition) expects a tensor."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+@dataclass(frozen=True)
+class Census:
+    named: list[tuple[str, Sized]]  # trainable parameters, forward order (the hybrid optimizer's order)
+    layer_of: dict[str, int | None]  # the transformer layer of each trainable name; None: outside the layers
+    weight_bytes: int  # every parameter and buffer as training holds it on the device
+    n_layers: int
+    activations: Activations
+    builtin: bool
+    host_model_bytes: int = 0  # a given model's bytes now in host memory (freed when it moves to the GPU)
+    notes: tuple[str, ...] = ()
+    unit: dict[str, str] = field(default_factory=dict)  # engine.optim.partition.unit_of of each name
+
+    numels: dict[str, int] = field(default_factory=dict)
+    position: dict[str, int] = field(default_factory=dict)
+    group_of: dict[str, int | str] = field(default_factory=dict)  # layer index, "output" side or "input" side
+    group_numel: dict[int | str, int] = field(default_factory=dict)
+    split_cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # lookups the plan's arithmetic makes many times, derived once
+        self.unit.clear()
+        self.unit.update({n: unit_of(n) for n, _ in self.named})
+        self.numels.update({n: p.n for n, p in self.named})
+        self.position.update({n: i for i, (n, _) in enumerate(self.named)})
+        first = next((i for i, (n, _) in enumerate(self.named) if self.layer_of[n] is not None), len(self.named))
+        for i, (n, p) in enumerate(self.named):
+            layer = self.layer_of[n]
+            g = layer if layer is not None else ("output" if i > first else "input")
+            self.group_of[n] = g
+            self.group_numel[g] = self.group_numel.get(g, 0) + p.n
+
+    @functools.cached_property
+    def parameters(self) -> int:
+        return sum(p.n for _, p in self.named)
+
+    def truncated(self, layers: int, weight_bytes_per_layer: int) -> Census:
+        """The same model with only its first `layers` layers (for "what depth would fit")."""
+        keep = [(n, p) for n, p in self.named if self.layer_of[n] is None or self.layer_of[n] < layers]
+        acts = replace(self.activations, layers=self.activations.layers[:layers])
+        weights = self.weight_bytes - (self.n_layers - layers) * weight_bytes_per_layer
+        return Census(named=keep, layer_of={n: self.layer_of[n] for n, _ in keep}, n_layers=layers,
+                      activations=acts, weight_bytes=weights, builtin=self.builtin,
+                      host_model_bytes=self.host_model_bytes, notes=self.notes)
+
+
+def _training_bytes(t: torch.Tensor, half: bool) -> int:
+    # initialize casts the whole model to the half dtype under train.params_dtype="half"
+    size = 2 if half and t.dtype in _FLOATS else t.element_size()
+    return t.numel() * size
+
+
+def builtin_census(cfg: Config, *, cuda: bool, num_layers: int | None = None) -> Census:
+    """The built-in GPT of `model.*` (num_layers: another depth, for "what would fit"), on the meta device."""
+    from engine.models.gpt import GPT
+
+    m, t = cfg.model, cfg.train
+    layers = m.num_layers if num_layers is None else num_layers
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    with torch.device("meta"):
+        model = GPT(num_layers=layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                    seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=ffn)  # fmt: skip
+    half = t.params_dtype == "half"
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    order = forward_order([n for n, _ in named])
+    by_name = dict(named)
+    acts = gpt_activations(num_layers=layers, hidden=m.hidden_size, ffn=ffn, heads=m.num_attention_heads,
+                           seq=m.seq_length, vocab=m.vocab_size, micro_batch=t.micro_batch_size,
+                           precision=t.precision, params_dtype=t.params_dtype, recompute=m.recompute_granularity,
+                           cuda=cuda)  # fmt: skip
+    notes = []
+    if m.implementation == "megatron" or m.use_te:
+        notes.append("megatron-core / Transformer Engine layers are planned as the built-in GPT of the same shape")
+    return Census(
+        named=[(n, Sized(by_name[n].numel())) for n in order],
+        layer_of={n: _layer_index(n) for n in order},
+        weight_bytes=sum(_training_bytes(p, half) for p in [*model.parameters(), *model.buffers()]),
+        n_layers=layers,
+        activations=acts,
+        builtin=True,
+        notes=tuple(notes),
+    )
+
+
+def _layer_index(name: str) -> int | None:
+    unit = unit_of(name)
+    head, _, idx = unit.rpartition(".")
+    return int(idx) if head == "layers" and idx.isdigit() else None
+
+
+def model_census(
+    cfg: Config,
+    model: nn.Module,
+    *,
+    cuda: bool,
+    measure: bool = True,
+    example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+) -> Census:
+    """A user's model: its parameters counted, its first layer's activations measured (measure=False: not)."""
+    from engine.offload.discovery import find_layers
+
+    t = cfg.train
+    half = t.params_dtype == "half"
+    named_all = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    order = forward_order([n for n, _ in named_all])
+    by_name = dict(named_all)
+    notes: list[str] = []
+    try:
+        layers = find_layers(model, cfg.model.cpu_offloading_layers_path)
+    except ValueError as e:
+        layers = None
+        notes.append(f"no transformer layers found ({e}); activations not planned")
+    layer_of: dict[str, int | None] = dict.fromkeys(order)
+    if layers is not None:
+        index = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+        layer_of = {n: index.get(id(by_name[n])) for n in order}
+    tensors = [*model.parameters(), *model.buffers()]
+    host = sum(x.numel() * x.element_size() for x in tensors if x.device.type == "cpu")
+    acts = Activations(layers=[[] for _ in range(len(layers) if layers is not None else 0)], head=[],
+                       logits_transient=0, backward_working=0, source="not measured")  # fmt: skip
+    if layers is not None and measure:
+        acts = _measure(cfg, model, layers, example_input, notes)
+    elif layers is not None:
+        notes.append("activations of the given model not measured (a CPU run's pre-flight skips the forward)")
+    return Census(
+        named=[(n, Sized(by_name[n].numel())) for n in order],
+        layer_of=layer_of,
+        weight_bytes=sum(_training_bytes(x, half) for x in tensors),
+        n_layers=len(layers) if layers is not None else 0,
+        activations=acts,
+        builtin=False,
+        host_model_bytes=host,
+        notes=tuple(notes),
+    )
+
+
+def _measure(cfg: Config, model: nn.Module, layers: nn.ModuleList, example_input, notes: list[str]) -> Activations:
+    t, m = cfg.train, cfg.model
+    first = next(model.parameters())
+    half_now = first.dtype in (torch.float16, torch.bfloat16)
+    precision = t.precision
+    a = 4 if precision == "fp32" else 2
+    will_be_half = half_now or t.params_dtype == "half"
+    r = 4 if (precision == "fp32" or not will_be_half) else 2  # the residual stream: fp32 beside fp32 weights
+    # what the forward runs in during training: half weights compute in half; fp32 weights under autocast
+    ctx = None
+    if precision != "fp32" and not half_now:
+        ctx = autocast(first.device, precision, "fp32") if first.device.type in ("cpu", "cuda") else None
+        if t.params_dtype == "half":
+            notes.append("fp32 model measured under autocast before its cast to half weights: the residual "
+                         "stream is counted at fp32")  # fmt: skip
+    hidden, vocab = _embedding_shape(model, m.hidden_size, m.vocab_size)
+    kwargs = {"make_input": example_input} if example_input is not None else {}
+    try:
+        acts = measured_activations(model, layers, seq=m.seq_length, micro_batch=t.micro_batch_size, hidden=hidden,
+                                    vocab=vocab, a=a, r=r, autocast=ctx, **kwargs)  # fmt: skip
+    except Exception as e:  # any model: the plan says what it could not do rather than failing
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        notes.append(f"activations not measured: the forward of {type(model).__name__} on token ids failed "
+                     f"({type(e).__name__}: {first_line}); pass example_input")  # fmt: skip
+        return Activations(layers=[[] for _ in layers], head=[], logits_transient=0, backward_working=0,
+                           source="not measured")  # fmt: skip
+    if t.params_dtype == "half" and ctx is not None:
+        acts = Activations(layers=[[s for s in acts.layers[0] if not s.weight_copy]] * len(layers), head=acts.head,
+                           logits_transient=acts.logits_transient, backward_working=acts.backward_working,
+                           source=acts.source, notes=acts.notes)  # fmt: skip
+    notes.extend(acts.notes)
+    return acts
+
+
+def _embedding_shape(model: nn.Module, hidden: int, vocab: int) -> tuple[int, int]:
+    """(hidden, vocab) from the model's input embedding and output projection; the config's where absent."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is not None:
+        hidden, vocab = emb.embedding_dim, emb.num_embeddings
+    if isinstance(out, nn.Linear):
+        vocab = out.out_features
+    return hidden, vocab
+

@@ -1,0 +1,124 @@
+"""Pre-flight: `initialize` plans memory before anything large is allocated, resolves "auto", and refuses a
+config whose plan exceeds the GPU's or the host's budget with one line naming the numbers and the key to change.
+
+It also keeps the plan it checked last, so a CUDA out-of-memory error later in the run can say what the plan
+said next to what failed (`oom_line`, used by bin/train).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from engine import dist
+from engine.budget import Budgets
+from engine.config import Config, ConfigError
+from engine.plan import planner, resolve
+from engine.plan_auto import NothingFits, Planner, gib
+from engine.plan_memory import Plan
+
+_last: tuple[Config, Plan] | None = None  # (the resolved config, its plan), for oom_line
+
+
+def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int, budgets: Budgets | None = None
+          ) -> Config:  # fmt: skip
+    """The config with "auto" values chosen; ConfigError (one line) when the plan does not fit.
+
+    On a CPU run the GPU check does not apply (the device is the host; the host check does). A given model's
+    activations are measured only for a CUDA run (a CPU run's pre-flight skips that forward)."""
+    global _last
+    budgets = budgets or Budgets()
+    cuda = device.type == "cuda"
+    p = planner(cfg, model, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
+                device=device.type, data_parallel_size=world, measure_activations=cuda)  # fmt: skip
+    try:
+        plan = resolve(p)
+    except NothingFits as e:
+        raise ConfigError([str(e)]) from None
+    resolved = _with_resolved(cfg, plan)
+    _last = (resolved, plan)
+    if not plan.fits:
+        raise ConfigError([refusal(p, plan)])
+    chosen = [f"{key}={_value(resolved, key)}" for key, auto in plan.auto.items() if auto]
+    if chosen:
+        dist.log(f"memory plan chose {', '.join(chosen)} (GPU {gib(plan.gpu.total_bytes)} of "
+                 f"{_budget(plan.gpu.budget_bytes)} GiB, host {gib(plan.host.total_bytes)} of "
+                 f"{_budget(plan.host.budget_bytes)} GiB; bin/train CONFIG --plan shows the parts)")  # fmt: skip
+    return resolved
+
+
+def last() -> tuple[Config, Plan] | None:
+    """The config and plan `check` accepted or refused last in this process."""
+    return _last
+
+
+def _budget(n: int | None) -> str:
+    return "?" if n is None else gib(n)
+
+
+def _value(cfg: Config, dotted: str) -> object:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _with_resolved(cfg: Config, plan: Plan) -> Config:
+    o, m = cfg.optimizer, cfg.model
+    if o.optimizer_offload_fraction == "auto":
+        cfg = replace(cfg, optimizer=replace(o, optimizer_offload_fraction=plan.fraction))
+    if m.cpu_offloading_num_layers == "auto":
+        cfg = replace(cfg, model=replace(m, cpu_offloading_num_layers=plan.offloaded_layers))
+    return cfg
+
+
+def refusal(p: Planner, plan: Plan) -> str:
+    """One line: which memory, the plan's bytes against the budget, and the key (and bound) that would fit."""
+    o, m, t = p.cfg.optimizer, p.cfg.model, p.cfg.train
+    k, fraction = plan.offloaded_layers, plan.fraction
+    if not plan.gpu.fits:
+        what = f"GPU memory: plan needs {gib(plan.gpu.total_bytes)} GiB, {gib(plan.gpu.budget_bytes)} GiB available"
+        lowest = p.smallest_gpu_fraction(k, None if o.optimizer_cpu_offload else p.with_optimizer_offload())
+        if lowest is not None and lowest.host.fits:
+            if o.optimizer_cpu_offload:
+                return f"{what}; raise optimizer.optimizer_offload_fraction to >= {lowest.fraction:.2f} (or \"auto\")"
+            return (f"{what}; set optimizer.optimizer_cpu_offload=true and optimizer.use_distributed_optimizer=true "
+                    f'with optimizer.optimizer_offload_fraction >= {lowest.fraction:.2f} (or "auto")')  # fmt: skip
+        layers = p.fewest_gpu_layers(fraction) if m.cpu_offloading else None
+        if layers is not None and p.evaluate(fraction, layers).host.fits:
+            return f"{what}; raise model.cpu_offloading_num_layers to >= {layers} (or \"auto\")"
+        return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
+    what = f"host memory: plan needs {gib(plan.host.total_bytes)} GiB, {gib(plan.host.budget_bytes)} GiB available"
+    if plan.host.phase == "construction":
+        return (f"{what} while the model is built (its fp32 copy on the host, "
+                f"{gib(plan.host.parts.get('model_construction', 0))} GiB); use a smaller model")  # fmt: skip
+    if plan.host.phase == "checkpoint":
+        return (f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
+                f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory")
+    if fraction > 0:
+        highest = p.largest_host_fraction(k)
+        if highest is not None and p.evaluate(highest, k).gpu.fits:
+            return f"{what}; lower optimizer.optimizer_offload_fraction to <= {highest:.2f}"
+    if k > 0:
+        for fewer in range(k - 1, -1, -1):
+            trial = p.evaluate(fraction, fewer)
+            if trial.fits:
+                return f"{what}; lower model.cpu_offloading_num_layers to <= {fewer}"
+    return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
+
+
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
+
+
+def oom_line(error: BaseException) -> str:
+    """A CUDA out-of-memory error as one line: what the plan said, what failed, which keys to change."""
+    tried = _TRIED.search(str(error))
+    failed = f"allocating {tried.group(1)} failed" if tried else "an allocation failed"
+    if _last is None:
+        return f"CUDA out of memory: {failed}; no memory plan was made (bin/train CONFIG --plan)"
+    cfg, plan = _last
+    return (f"CUDA out of memory: {failed} where the plan said {gib(plan.gpu.total_bytes)} GiB of "
+            f"{_budget(plan.gpu.budget_bytes)} GiB (peak during {plan.gpu.phase}); raise "
+            f"optimizer.optimizer_offload_fraction (now {plan.fraction:.2f}) or model.cpu_offloading_num_layers "
+            f"(now {plan.offloaded_layers}), or lower train.micro_batch_size (now {cfg.train.micro_batch_size})")
