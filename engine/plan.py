@@ -57,7 +57,9 @@ def planner(
     gpu = gpu_budget_bytes
     if gpu is None and cuda:
         gpu = budget.gpu_free(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
-    host = host_budget_bytes if host_budget_bytes is not None else budget.host_available()
+    # the ranks of one machine share its host memory
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    host = host_budget_bytes if host_budget_bytes is not None else budget.host_available() // local
     if model is None:
         census = builtin_census(cfg, cuda=cuda)
     else:

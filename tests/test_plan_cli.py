@@ -112,7 +112,7 @@ def test_auto_is_resolved_printed_and_recorded(capsys, tmp_path):
     assert "memory plan chose optimizer.optimizer_offload_fraction=0.0, model.cpu_offloading_num_layers=0" in out
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert rows[-1]["optimizer_offload_fraction"] == 0.0 and rows[-1]["cpu_offloading_num_layers"] == 0
-    assert rows[-1]["peak_host_rss_bytes"] > 0
+    assert rows[-1]["peak_host_rss_bytes"] > 0 and "peak host RSS " in out  # the record and the summary
 
 
 def test_auto_against_a_gpu_budget_resolves_in_the_preflight():
