@@ -323,3 +323,19 @@ def test_auto_on_the_13b_demo_config_fits_an_h200():
     plan = engine.plan("configs/13b-h200.json", gpu_budget_bytes=139 * GIB, host_budget_bytes=125 * GIB)
     assert plan.fits and plan.auto["optimizer.optimizer_offload_fraction"]
     assert plan.parameters > 12.5e9 and plan.gpu.budget_bytes == 139 * GIB
+
+
+@pytest.mark.parametrize("modules", [["mlp"], ["attn"], ["MLP", "attn_norm"]])
+def test_fine_grained_pool_equals_the_offload_pools_allocation(modules):
+    cfg = load_config({}, shape_overrides(layers=2, hidden=100, seq=129, mbs=4, gbs=4) + [
+        "train.precision=fp32", "model.fine_grained_activation_offloading=true",
+        f"model.offload_modules={json.dumps(modules)}"])  # fmt: skip
+    plan = engine.plan(cfg, device="cpu", host_budget_bytes=64 * GIB)
+    torch.manual_seed(0)
+    model = GPT(num_layers=2, hidden_size=100, num_attention_heads=4, seq_length=129, vocab_size=256)
+    handle = offload.apply_fine_grained_offloading(model, modules)
+    tokens = torch.randint(0, 256, (4, 129))
+    gpt_loss(model(tokens), tokens).backward()
+    assert handle.pool_bytes() > 0
+    assert plan.host.parts["activation_pool"] == handle.pool_bytes()
+    handle.remove()
