@@ -85,7 +85,10 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
         pin_cpu_params=o.pin_cpu_params,
         use_torch_optimizer_for_cpu_offload=offload and o.use_torch_optimizer_for_cpu_offload,
         cpu_threads=o.cpu_optimizer_threads,
+        pin_cpu_threads=offload and o.cpu_optimizer_pin_threads,
         accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
         gpu_assist=o.cpu_offload_gpu_assist,
+        delayed_param_update=o.delayed_param_update,
+        delayed_param_update_warmup=o.delayed_param_update_warmup,
         speculation_buffer_mb=o.speculation_buffer_mb,
     )

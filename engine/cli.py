@@ -175,6 +175,7 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
                 # the memory plan's choices ("auto" resolved by initialize)
                 "optimizer_offload_fraction": eng.config.optimizer.optimizer_offload_fraction,
                 "cpu_offloading_num_layers": eng.config.model.cpu_offloading_num_layers,
+                "delayed_update": eng.last_step_delayed,
             }
             if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
                 log.write(record)

@@ -78,8 +78,10 @@ class OptimizerConfig:
     pin_cpu_params: bool = True
     use_distributed_optimizer: bool = False
     cpu_optimizer_threads: int | None = None
+    cpu_optimizer_pin_threads: bool = False
     accumulate_allreduce_grads_in_fp32: bool = True
     delayed_param_update: bool = False
+    delayed_param_update_warmup: int = 40
     speculation_buffer_mb: int = 2048
     cpu_offload_gpu_assist: bool = False
 

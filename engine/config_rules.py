@@ -203,6 +203,7 @@ def _fine_grained_needs_modules(c: SimpleNamespace, dp: int) -> Iterator[Problem
     "optimizer.use_torch_optimizer_for_cpu_offload",
     "optimizer.delayed_param_update",
     "optimizer.cpu_offload_gpu_assist",
+    "optimizer.cpu_optimizer_pin_threads",
 )
 def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     # megatron-core's builder picks its own CPU optimizer and threads: these would be silently ignored there
@@ -214,6 +215,7 @@ def _megatron_optimizer_options(c: SimpleNamespace, dp: int) -> Iterator[Problem
         ("use_torch_optimizer_for_cpu_offload", not o.use_torch_optimizer_for_cpu_offload),
         ("delayed_param_update", not o.delayed_param_update),
         ("cpu_offload_gpu_assist", not o.cpu_offload_gpu_assist),
+        ("cpu_optimizer_pin_threads", not o.cpu_optimizer_pin_threads),
     ):
         if not unset:
             yield Problem(
@@ -245,6 +247,30 @@ def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterat
             "works with the engine's own AdamW only (optimizer.optimizer='adam', "
             "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false",
         )
+
+
+@_rule(
+    "optimizer.delayed_param_update",
+    "optimizer.implementation",
+    "optimizer.optimizer_cpu_offload",
+    "optimizer.optimizer_offload_fraction",
+    "optimizer.cpu_offload_gpu_assist",
+)
+def _delayed_update_needs_a_cpu_part(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    o = c.optimizer
+    if not o.delayed_param_update or o.implementation != "engine":  # megatron's: its own rule says so
+        return
+    if not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
+        yield Problem("optimizer.delayed_param_update", "delays the update of the CPU-stepped part, which exists only "
+                      "with optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction > 0; set "
+                      "them, or set optimizer.delayed_param_update=false")  # fmt: skip
+    elif dp > 1:
+        yield Problem("optimizer.delayed_param_update", f"is built for one rank; with {dp} data-parallel ranks the "
+                      "distributed optimizer broadcasts each update as soon as it is made; set "
+                      "optimizer.delayed_param_update=false or run one rank")  # fmt: skip
+    if o.cpu_offload_gpu_assist:
+        yield Problem("optimizer.delayed_param_update", "does not combine with optimizer.cpu_offload_gpu_assist=true "
+                      "(the assist writes the weights in place); set one of them to false")  # fmt: skip
 
 
 @_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")
@@ -318,6 +344,4 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
              'set model.cuda_graph_impl="none"'),
     NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,
              "set model.pipeline_model_parallel_size=1"),
-    NotBuilt("optimizer.delayed_param_update", lambda v, dp: v, "the delayed CPU parameter update", 3,
-             "set optimizer.delayed_param_update=false"),
 )  # fmt: skip

@@ -96,6 +96,7 @@ class Engine:
         self.last_step_skipped = False
         self.skips = SkippedSteps(config)  # non-finite steps: counted; too many in a row end the run
         self._loss_sum: torch.Tensor | None = None  # this global batch's micro-batch losses, for the finite check
+        self.last_step_delayed = False  # optimizer.delayed_param_update: this step's CPU-side update lands late
         self._autocast = autocast(device, t.precision, t.params_dtype)
         if hasattr(optimizer, "attach_model"):
             optimizer.attach_model(module)
@@ -152,6 +153,7 @@ class Engine:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_grad_norm, self.last_step_skipped = norm, not stepped
+        self.last_step_delayed = bool(getattr(self.optimizer, "last_step_delayed", False))
         self.micro_step = 0
         self.iteration += 1
         if stepped:
@@ -191,7 +193,8 @@ class Engine:
 
     def synchronize(self) -> None:
         """Waits until every pending update is in the model's weights (CPU-stepped layers are written back
-        asynchronously; the next forward waits per layer on its own, so only readers of the weights need this)."""
+        asynchronously; the next forward waits per layer on its own, so only readers of the weights need this).
+        Under optimizer.delayed_param_update a delayed update is not pending here: it lands in the next step."""
         if hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()
 

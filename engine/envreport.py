@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from engine.optim import fused_kernel
+from engine.optim import affinity, fused_kernel
 
 
 def _version(dist: str) -> str:
@@ -51,6 +51,7 @@ def env_report() -> str:
         f"CPU             {cpu['model']}",
         f"cores           {cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process",
         f"AVX-512         {'yes' if cpu['avx512f'] else 'no'} (bf16: {'yes' if cpu['avx512_bf16'] else 'no'})",
+        f"CPU binding     {affinity.report()}",
         f"pinned memory   {'available' if cuda else 'unavailable (no CUDA): offload copies use pageable memory'}",
         f"CPU AdamW       {fused_kernel.status()} (torch's fused AdamW where "
         "optimizer.use_torch_optimizer_for_cpu_offload=true)",

@@ -70,6 +70,6 @@ def test_debug_shows_the_traceback(bin_train):
 def test_env_report(bin_train):
     proc = bin_train("--env")
     assert proc.returncode == 0, proc.stderr
-    for field in ("torch", "CUDA available", "CPU", "cores", "AVX-512", "pinned memory"):
+    for field in ("torch", "CUDA available", "CPU", "cores", "AVX-512", "pinned memory", "CPU binding"):
         assert field in proc.stdout
     assert "CPU AdamW       compiled C pass (" in proc.stdout  # which path runs (tests/test_fused_kernel.py: why not)

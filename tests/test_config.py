@@ -308,6 +308,8 @@ def test_rule_is_skipped_when_its_input_failed_the_schema():
 # --- cross-field rules --------------------------------------------------------------------------------------
 
 CPU_OFFLOAD = ["model.cpu_offloading=true"]
+DPU = ["optimizer.delayed_param_update=true", "optimizer.optimizer_cpu_offload=true",
+       "optimizer.use_distributed_optimizer=true", "optimizer.optimizer_offload_fraction=0.5"]  # fmt: skip
 
 # rule name -> cases (overrides, data-parallel size, message regex); every rule in RULES needs an entry.
 RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
@@ -397,6 +399,10 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"optimizer\.cpu_optimizer_threads=4: applies only to optimizer\.implementation='engine'"),
         (["optimizer.implementation=megatron", "optimizer.use_torch_optimizer_for_cpu_offload=true"], 1,
          r"optimizer\.use_torch_optimizer_for_cpu_offload=true: applies only to"),
+        (["optimizer.implementation=megatron", "optimizer.cpu_optimizer_pin_threads=true"], 1,
+         r"optimizer\.cpu_optimizer_pin_threads=true: applies only to optimizer\.implementation='engine'"),
+        (["optimizer.implementation=megatron"] + DPU, 1,
+         r"optimizer\.delayed_param_update=true: applies only to optimizer\.implementation='engine'"),
         (["optimizer.implementation=megatron", "optimizer.cpu_offload_gpu_assist=true",
           "optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1,
          r"optimizer\.cpu_offload_gpu_assist=true: applies only to optimizer\.implementation='engine'"),
@@ -423,6 +429,17 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["checkpoint.load_if_exists=true"], 1,
          r"checkpoint\.load_if_exists=true: acts only with checkpoint\.load set; set checkpoint\.load or unset"),
     ],
+    "_delayed_update_needs_a_cpu_part": [
+        (["optimizer.delayed_param_update=true"], 1, re.escape(
+            "optimizer.delayed_param_update=true: delays the update of the CPU-stepped part, which exists only with "
+            "optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction > 0; set them, or set "
+            "optimizer.delayed_param_update=false")),
+        (DPU[:-1] + ["optimizer.optimizer_offload_fraction=0"], 1, r"delayed_param_update=true: delays the update"),
+        (DPU + ["train.global_batch_size=16"], 2, re.escape(
+            "optimizer.delayed_param_update=true: is built for one rank; with 2 data-parallel ranks")),
+        (DPU + ["optimizer.cpu_offload_gpu_assist=true"], 1, re.escape(
+            "optimizer.delayed_param_update=true: does not combine with optimizer.cpu_offload_gpu_assist=true")),
+    ],
     "_warmup_within_training": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
@@ -440,6 +457,7 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
       "optimizer.optimizer_offload_fraction=auto"], 1, "is chosen by the memory plan"),
     (["model.recompute_granularity=full"], 1, "activation recomputation"),
     (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1, "requires use_distrib"),
+    (DPU, 1, "delayed_param_update"),
     (["train.global_batch_size=16", "train.micro_batch_size=4"], 2, "must be divisible"),
     (["train.global_batch_size=24", "train.micro_batch_size=4"], 1, "must be divisible"),
     (["optimizer.min_lr=0.0003"], 1, "min_lr"),
@@ -502,7 +520,6 @@ def test_several_rules_fire_together():
 NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
     "model.cuda_graph_impl": (["model.cuda_graph_impl=local"], 1),
     "model.pipeline_model_parallel_size": (["model.pipeline_model_parallel_size=2"], 1),
-    "optimizer.delayed_param_update": (["optimizer.delayed_param_update=true"], 1),
 }  # fmt: skip
 
 
@@ -519,10 +536,6 @@ def test_not_built_messages_read_well():
     assert errors_of(["model.cuda_graph_impl=local"]) == [
         'model.cuda_graph_impl="local": CUDA graphs are not supported in offload-engine; '
         'set model.cuda_graph_impl="none"'
-    ]
-    assert errors_of(["optimizer.delayed_param_update=true"]) == [
-        "optimizer.delayed_param_update=true: the delayed CPU parameter update is not built yet in offload-engine "
-        "(issue 3); set optimizer.delayed_param_update=false"
     ]
 
 

@@ -180,11 +180,6 @@ def test_bad_options(kw, match):
         HybridDeviceOptimizer(tiny_gpt().named_parameters(), **args)
 
 
-def test_delayed_update_is_opt_in_and_absent():
-    with pytest.raises(NotImplementedError, match="delayed_param_update"):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), lr=1e-3, delayed_param_update=True)
-
-
 def test_non_finite_gradients_skip_the_step():
     model = tiny_gpt()
     before = copy.deepcopy(model)

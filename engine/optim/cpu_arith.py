@@ -10,6 +10,7 @@ TorchOptimizers   torch.optim on the host masters, one optimizer per layer unit 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,11 +44,12 @@ class TensorStep:
 
 
 class FusedAdamW:
-    def __init__(self, lib, threads: int) -> None:
-        """lib: fused_kernel.load()'s library, or None for torch's ops."""
+    def __init__(self, lib, threads: int, initializer: Callable[[], None] | None = None) -> None:
+        """lib: fused_kernel.load()'s library, or None for torch's ops. initializer: run by each worker
+        thread as it starts (affinity.py binds it to a core)."""
         self.lib = lib
         self.threads = threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam")
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam", initializer=initializer)
 
     def step(self, steps: list[TensorStep]) -> None:
         futs: list[Future] = []

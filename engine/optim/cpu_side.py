@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.optim import fused_kernel
+from engine.optim import affinity, fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import FusedAdamW, TensorStep, TorchOptimizers
 from engine.optim.cpu_transfer import Transfers
@@ -106,6 +106,7 @@ class CpuPart:
         hyper_source: Callable[[], list[Hyper]] | None = None,
         gpu_assist: bool = False,
         speculation_buffer_bytes: int = 2048 << 20,
+        pin_threads: bool = False,
     ) -> None:
         """entries: (name, param, group index, unit) in forward order, each unit's names contiguous.
 
@@ -115,7 +116,9 @@ class CpuPart:
         recomputed in place: exact either way.
 
         gpu_assist: the GPU steps some units too (gpu_assist.py), taking them from the same queue as
-        the CPU threads once the clip factor is known; their states stay in (then pinned) host memory."""
+        the CPU threads once the clip factor is known; their states stay in (then pinned) host memory.
+
+        pin_threads: bind the worker threads and the driver to cores (affinity.py)."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
@@ -143,25 +146,27 @@ class CpuPart:
         with torch.no_grad():
             for n, p in self.params.items():
                 self.host.state(n)[0].copy_(p.detach().reshape(-1))
+        workers_init, driver_init = affinity.initializers(pin_threads)
         self.arith: FusedAdamW | TorchOptimizers
         if with_torch:
             masters = {n: self.host.state(n)[0] for n in self.params}
             self.arith = TorchOptimizers(kind, self.units, masters, self.group_of)
         else:
-            self.arith = FusedAdamW(fused_kernel.load(), threads)
+            self.arith = FusedAdamW(fused_kernel.load(), threads, initializer=workers_init)
         self.hyper_source = hyper_source
         self.spec_ok = True  # speculate this step: the last one was not clipped
         self.q: queue.Queue[Speculate | Go | Stop] = queue.Queue()
         self.open = False  # a step's driver job is running and has not been told to go or stop
         self.unit_left: dict[str, int] = {}
         self.go = threading.Event()
-        self.driver = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-driver")
+        self.driver = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-driver", initializer=driver_init)
         self.job: Future | None = None
         self.ready = {u: threading.Event() for u in self.units}
         for e in self.ready.values():
             e.set()
         self.copies = Transfers(self.cuda, list(self.units))
         self.shipped: dict[str, torch.Tensor] = {}
+        self.dest: dict[str, torch.Tensor] = {}  # launch's: where updated weights go instead of the parameters
         # the last step: whole driver run, the arithmetic alone, units stepped out of place during backward (committed
         # or not), units the GPU assist stepped
         self.timing = {"run_s": 0.0, "compute_s": 0.0, "speculated": 0, "assisted": 0}
@@ -213,8 +218,11 @@ class CpuPart:
             if self.unit_left[u] == 0 and self.speculate and self.spec_ok:
                 self.q.put(Speculate(u, dict(self.shipped)))
 
-    def launch(self, hypers: list[Hyper], inv_scale: float, coef: float) -> None:
-        """Step every shipped parameter on the driver thread; returns at once."""
+    def launch(self, hypers: list[Hyper], inv_scale: float, coef: float,
+               dest: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """Step every shipped parameter on the driver thread; returns at once. dest: where the updated
+        weights go by name (the delayed update's shadow, delayed.py) instead of the parameters themselves."""
+        self.dest = dest or {}  # read by the driver after the Go message below
         bwd_done = self.copies.backward_done()
         for e in self.ready.values():
             e.clear()
@@ -385,7 +393,8 @@ class CpuPart:
         return {n: self.host.state(n)[0] for n in names}
 
     def _upload(self, unit: str, names: list[str], src: dict[str, torch.Tensor], bwd_done) -> torch.cuda.Event | None:
-        return self.copies.upload(unit, [self.params[n] for n in names], [src[n] for n in names], bwd_done)
+        dst = [self.dest.get(n, self.params[n]) for n in names]
+        return self.copies.upload(unit, dst, [src[n] for n in names], bwd_done)
 
     # ---- state (called with no step in flight) ----
     def export(self, name: str) -> dict:

@@ -40,6 +40,7 @@ import torch
 from engine.optim import options
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_side import CpuPart
+from engine.optim.delayed import DEFAULT_WARMUP, DelayedUpdate
 from engine.optim.gpu_side import GpuPart
 from engine.optim.partition import forward_order, split_for_offload, unit_of
 
@@ -105,8 +106,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pin_cpu_params: bool = True,
         use_torch_optimizer_for_cpu_offload: bool = False,
         cpu_threads: int | None = None,
+        pin_cpu_threads: bool = False,
         accumulate_grads_in_fp32: bool = True,
         delayed_param_update: bool = False,
+        delayed_param_update_warmup: int = DEFAULT_WARMUP,
         gpu_assist: bool = False,
         speculation_buffer_mb: int = 2048,
     ) -> None:
@@ -116,10 +119,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                           ("pin_cpu_grads", pin_cpu_grads), ("pin_cpu_params", pin_cpu_params),
                           ("use_torch_optimizer_for_cpu_offload", use_torch_optimizer_for_cpu_offload),
                           ("accumulate_grads_in_fp32", accumulate_grads_in_fp32),
-                          ("delayed_param_update", delayed_param_update), ("gpu_assist", gpu_assist)):  # fmt: skip
+                          ("delayed_param_update", delayed_param_update), ("gpu_assist", gpu_assist),
+                          ("pin_cpu_threads", pin_cpu_threads)):  # fmt: skip
             options.flag(name, val)
-        if delayed_param_update:
-            raise NotImplementedError("delayed_param_update=True (a one-step-late CPU update) is not implemented")
+        warmup = options.whole_number("delayed_param_update_warmup", delayed_param_update_warmup)
+        if delayed_param_update and fraction == 0:
+            raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "
+                             "update, and offload_fraction=0 steps nothing on the CPU; set "
+                             "optimizer.optimizer_offload_fraction > 0 or delayed_param_update=False")  # fmt: skip
+        if delayed_param_update and gpu_assist:
+            raise ValueError("delayed_param_update (optimizer.delayed_param_update) and gpu_assist "
+                             "(optimizer.cpu_offload_gpu_assist) do not combine: the assist writes the weights "
+                             "in place; set one of them to False")  # fmt: skip
         defaults = dict(
             lr=options.number_in("lr", lr, 0.0, None),
             betas=options.betas(betas),
@@ -142,6 +153,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.offload_fraction = fraction
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
+        self.delayed = DelayedUpdate(warmup) if delayed_param_update else None
+        self.last_step_delayed = False  # the last step's CPU update lands one step late (metrics record it)
         self.names: list[str] = []
         self.params_by_name: dict[str, torch.nn.Parameter] = {}
         group_of: dict[str, int] = {}
@@ -155,7 +168,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._group_of = group_of
         self._side_options = dict(kind=kind, use_torch=use_torch_optimizer_for_cpu_offload, pin_grads=pin_cpu_grads,
                                   pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist,
-                                  speculation_buffer_bytes=spec_mb << 20)  # fmt: skip
+                                  speculation_buffer_bytes=spec_mb << 20, pin_threads=pin_cpu_threads)  # fmt: skip
         self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
         self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
         self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
@@ -194,7 +207,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.cpu_names:
             entries = [(n, p, gi[n], unit_of(n)) for n, p in named if n in self.cpu_names]
             hypers = lambda: [Hyper.of(g) for g in self.param_groups]  # noqa: E731 - read by the driver thread
-            self.cpu = CpuPart(entries, **opts, speculate=self.overlap, hyper_source=hypers)
+            # a delayed step launches once the clip factor is known: nothing to guess during backward
+            self.cpu = CpuPart(entries, **opts, speculate=self.overlap and self.delayed is None, hyper_source=hypers)
+            if self.delayed is not None:
+                self.delayed.bind({n: p for n, p, _, _ in entries})
 
     # ---------------------------------------------------------------- gradients
     def set_grad_final(self, is_final: bool) -> None:
@@ -261,6 +277,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for n in self.names:
                 if n in self.cpu_names and n not in self.cpu.shipped and n not in self._cpu_norms:
                     self._ship(n)  # no overlap (or no hook fired): ship now
+        if self.delayed is not None:  # after the last backward: the previous step's delayed update lands
+            self.delayed.land(self._wait_cpu_units)
+        self.last_step_delayed = False
         gpu_grads = {n: g for n in self.names if n not in self.cpu_names and (g := self._final_grad(n)) is not None}
         norms = []
         for n in self._norm_order:  # the model's order, as clip_grad_norm_(model.parameters()) stacks them
@@ -286,13 +305,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return total_f, False
         hypers = [Hyper.of(g) for g in self.param_groups]
         inv_scale = float(torch.tensor(1.0 / grad_scale, dtype=torch.float32)) if grad_scale != 1.0 else 1.0
-        if self.cpu is not None:
-            self.cpu.launch(hypers, inv_scale, coef)  # first, so the CPU works while the GPU steps
+        delayed = self.delayed is not None and self.delayed.delays()
+        if self.cpu is not None:  # first, so the CPU works while the GPU steps
+            self.cpu.launch(hypers, inv_scale, coef, dest=self.delayed.targets() if delayed else None)
         self.gpu.step(gpu_grads, hypers, inv_scale, coef)
         self._main_grads.clear()
-        if self.cpu is not None and not (self.overlap and self._attached):
+        if self.delayed is not None:
+            self.delayed.finish_step(True, delayed)
+            self.last_step_delayed = delayed
+        if self.cpu is not None and not delayed and not (self.overlap and self._attached):
             self.cpu.wait_all()  # nothing waits per layer: updated weights must be in place on return
         return total_f, True
+
+    def _wait_cpu_units(self) -> None:
+        """Every unit's update written where it goes; the current stream waits for the copies there."""
+        for u in self.cpu.units:
+            self.cpu.wait_unit(u)
+
+    def _before_forward(self, unit: str) -> None:
+        """A CPU-stepped unit's forward pre-hook: wait for its exact update (a delayed one landed already)."""
+        if self.delayed is None or not self.delayed.pending:
+            self.cpu.wait_unit(unit)
 
     # ---------------------------------------------------------------- model hooks
     def attach_model(self, model: torch.nn.Module) -> None:
@@ -313,7 +346,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                              "model.named_parameters() of this model to the optimizer")  # fmt: skip
         for unit in self.cpu.units:
             module = model.get_submodule(unit) if unit else model
-            self._pre_hooks.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: self.cpu.wait_unit(u)))
+            self._pre_hooks.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
         self._attached = True
 
     def _close_sides(self) -> None:
@@ -332,7 +365,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._close_sides()
 
     def synchronize(self) -> None:
-        """Wait until every update is in the model's weights (before reading them outside a forward)."""
+        """Wait until every update is in the model's weights (before reading them outside a forward); a delayed
+        update (delayed_param_update) is complete in the masters then and lands in the weights in the next step."""
         if self.cpu is not None:
             self.cpu.wait_all()
 
@@ -350,11 +384,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             gd = {k: v for k, v in g.items() if k != "params"}
             gd["params"] = [n for n in self.names if any(self.params_by_name[n] is p for p in g["params"])]
             groups.append(gd)
-        return {"format": STATE_FORMAT, "optimizer": self.kind, "state": state, "param_groups": groups}
+        out = {"format": STATE_FORMAT, "optimizer": self.kind, "state": state, "param_groups": groups}
+        if self.delayed is not None:  # the masters are one update ahead of the model's CPU-stepped weights
+            out["delayed"] = self.delayed.state()
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved at any fraction or device; the model's weights are set from the masters."""
+        """Load a state saved at any fraction or device; the model's weights are set from the masters, except
+        a delayed update's pending weights resumed with delayed_param_update at the same split (delayed.py)."""
         if state_dict.get("format") != STATE_FORMAT:
             raise ValueError(f"not a HybridDeviceOptimizer state dict (format={state_dict.get('format')!r})")
         if state_dict["optimizer"] != self.kind:
@@ -369,11 +407,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.synchronize()
         for g, sg in zip(self.param_groups, state_dict["param_groups"], strict=True):
             g.update({k: v for k, v in sg.items() if k != "params"})
+        keep: set[str] = set()
+        if self.delayed is not None:
+            masters = {n: saved[n]["master"] for n in self.cpu_names}
+            keep = self.delayed.load(state_dict.get("delayed"), (int(st["step"]) for st in saved.values()), masters)
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
             side.load(n, saved[n])
-            p = self.params_by_name[n]
-            p.copy_(saved[n]["master"].to(device=p.device, dtype=p.dtype).reshape(p.shape))
+            if n not in keep:  # kept: the model's loaded weights are the ones the next forward reads
+                p = self.params_by_name[n]
+                p.copy_(saved[n]["master"].to(device=p.device, dtype=p.dtype).reshape(p.shape))
 
     def host_bytes(self) -> int:
         """Bytes of host memory held by the optimizer (host masters, states, gradient and weight buffers)."""

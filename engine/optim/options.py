@@ -15,6 +15,7 @@ CONFIG_KEY = {
     "momentum": "optimizer.sgd_momentum",
     "cpu_threads": "optimizer.cpu_optimizer_threads",
     "speculation_buffer_mb": "optimizer.speculation_buffer_mb",
+    "delayed_param_update_warmup": "optimizer.delayed_param_update_warmup",
 }
 
 
