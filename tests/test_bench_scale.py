@@ -29,12 +29,13 @@ def test_flops_per_token_at_the_issue_shape():
 
 def test_bench_scale_rows_on_cpu(tmp_path, capsys):
     out = tmp_path / "scale.json"
-    assert scale.main([*TINY, "--json", str(out)]) == 0
+    assert scale.main([*TINY, "--json", str(out), "--pin-threads", "both"]) == 0
     text = capsys.readouterr().out
     assert "FLOPs per token = 6*N + 12*L*h*s" in text
     assert "| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit |" in text
     rows = {r["name"]: r for r in json.load(open(out))["rows"]}
-    assert set(rows) == {"fit", "exact", "dpu"}
+    assert set(rows) == {"fit", "exact", "exact+pin", "dpu"}
+    assert rows["exact+pin"]["pin"] and not rows["exact"]["pin"] and rows["exact+pin"]["cpu_step_ms"] is not None
     fit, exact = rows["fit"], rows["exact"]
     assert fit["fraction"] == 0.0 and exact["fraction"] == 0.3
     assert fit["layers"] == 1 and exact["layers"] == 2
@@ -45,10 +46,8 @@ def test_bench_scale_rows_on_cpu(tmp_path, capsys):
     assert fit["cpu_step_ms"] is None and fit["host_engine_bytes"] == 0
     assert exact["cpu_step_ms"] is not None and exact["host_engine_bytes"] > 0
     assert exact["hidden_ms"] <= exact["cpu_step_ms"]
-    if rows["dpu"]["unavailable"] is None:  # this checkout has the delayed update: the row ran
-        assert rows["dpu"]["iter_ms"] > 0
-    else:
-        assert "delayed_param_update" in rows["dpu"]["unavailable"] and rows["dpu"]["iter_ms"] == 0
+    assert rows["dpu"]["unavailable"] is None and rows["dpu"]["iter_ms"] > 0
+    assert rows["dpu"]["delayed_steps"] == [3] and not exact["delayed_steps"]  # 2 exact warm-up steps, then delayed
 
 
 def test_each_model_is_freed_before_the_next(monkeypatch):

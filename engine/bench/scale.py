@@ -86,6 +86,7 @@ class Row:
     params: int
     fraction: float
     dpu: bool
+    pin: bool = False
     iter_ms: float = 0.0
     tokens_per_s: float = 0.0
     tflops: float = 0.0
@@ -111,7 +112,8 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, extra: dict | None = None) -> dict:
+def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, extra: dict | None = None,
+            pin: bool = False) -> dict:
     offload = fraction > 0
     cfg = {
         "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
@@ -119,14 +121,14 @@ def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, ext
         "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr, "weight_decay": 0.1, "adam_beta1": 0.9,
                       "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
                       "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
-                      "use_distributed_optimizer": offload,
+                      "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
                       "cpu_optimizer_threads": a.cpu_threads},
         "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
                   "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed},
         "logging": {"metrics_file": None, "progress_bar": False},
     }  # fmt: skip
-    if dpu:
-        cfg["optimizer"]["delayed_param_update"] = True
+    if dpu:  # a short warm-up: the measured iterations are delayed ones
+        cfg["optimizer"].update(delayed_param_update=True, delayed_param_update_warmup=a.dpu_warmup)
     for path, value in (extra or {}).items():
         ns, key = path.split(".", 1)
         cfg.setdefault(ns, {})[key] = value
@@ -174,14 +176,15 @@ def _empty_caches() -> None:
                 break
 
 
-def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu: bool, tokens) -> Row:
+def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu: bool, tokens,
+            pin: bool = False) -> Row:  # fmt: skip
     """Train `shape` for warmup + iters steps through the engine, then free everything it built."""
     from engine.engine import initialize
 
-    row = Row(name, shape.layers, shape.params(), fraction, dpu)
+    row = Row(name, shape.layers, shape.params(), fraction, dpu, pin)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=_config(a, shape, fraction, dpu))
+    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=_config(a, shape, fraction, dpu, pin=pin))
     row.setup_s = time.perf_counter() - t0
     alive = weakref.ref(eng.module)
     data = TokenBatches(tokens, shape.seq, a.micro_batch, a.seed)
@@ -271,6 +274,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
+    ap.add_argument("--dpu-warmup", type=int, default=2, help="optimizer.delayed_param_update_warmup of the dpu row")
+    ap.add_argument("--pin-threads", choices=["off", "on", "both"], default="off",
+                    help="optimizer.cpu_optimizer_pin_threads; both: the exact row once unpinned, once pinned")
     ap.add_argument("--data-bytes", type=int, default=16 << 20, help="stdlib bytes to draw windows from")
     ap.add_argument("--json", default=None, help="write the rows and the formula here as JSON")
     return ap
@@ -290,16 +296,21 @@ def main(argv: list[str]) -> int:
           f"iterations per row (median); {device}", flush=True)  # fmt: skip
     wanted = set(a.rows.split(","))
     rows: list[Row] = []
-    plan = [("fit", fit_shape, 0.0, False), ("exact", shape, fraction, False), ("dpu", shape, fraction, True)]
-    for name, shp, f, dpu in plan:
-        if name not in wanted:
+    pin = a.pin_threads == "on"
+    plan = [("fit", fit_shape, 0.0, False, False), ("exact", shape, fraction, False, pin)]
+    if a.pin_threads == "both":
+        plan.append(("exact+pin", shape, fraction, False, True))
+    plan.append(("dpu", shape, fraction, True, pin))
+    for name, shp, f, dpu, pinned in plan:
+        if name.split("+")[0] not in wanted:
             continue
         why = dpu_unavailable(a, shp, f) if dpu else None
         if why:
-            row = Row(name, shp.layers, shp.params(), f, dpu, unavailable=why)
+            row = Row(name, shp.layers, shp.params(), f, dpu, pinned, unavailable=why)
         else:
-            row = run_row(a, name, shp, f, dpu, tokens)
-            print(f"  done {name}: {row.iter_ms:.1f} ms/iter, setup {row.setup_s:.1f} s, losses "
+            row = run_row(a, name, shp, f, dpu, tokens, pin=pinned)
+            print(f"  done {name}: {row.iter_ms:.1f} ms/iter, setup {row.setup_s:.1f} s, "
+                  f"{len(row.delayed_steps)} delayed steps, losses "
                   + " ".join(f"{x:.3f}" for x in row.losses), flush=True)  # fmt: skip
         rows.append(row)
     fit = next((r for r in rows if r.name == "fit"), None)
