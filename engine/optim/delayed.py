@@ -75,8 +75,8 @@ class DelayedUpdate:
         if not self.pending:
             return
         wait_units()
-        for n, p in self.params.items():
-            p.copy_(self.shadow[n])
+        names = list(self.params)
+        torch._foreach_copy_([self.params[n] for n in names], [self.shadow[n] for n in names])
         self.pending = False
 
     def finish_step(self, stepped: bool, delayed: bool) -> None:
