@@ -97,7 +97,7 @@ def test_the_hybrid_optimizer_pins_its_cpu_threads_when_asked():
                                     pin_cpu_threads=pin)  # fmt: skip
         opt.host_bytes()  # builds both sides
         try:
-            worker = set(opt.cpu.pool.submit(os.sched_getaffinity, 0).result())
+            worker = set(opt.cpu.arith.pool.submit(os.sched_getaffinity, 0).result())
             driver = set(opt.cpu.driver.submit(os.sched_getaffinity, 0).result())
         finally:
             opt.close()
