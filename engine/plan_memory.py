@@ -44,7 +44,7 @@ DEFAULT_MIN_BYTES = 64 * 1024  # engine.offload.DEFAULT_MIN_BYTES: smaller saved
 
 GPU_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "activations_outside_layers",
              "activation_offload_buffers", "logits_and_loss", "backward_working", "optimizer_step_staging",
-             "gpu_assist_slots", "ddp_buckets")  # fmt: skip
+             "gpu_assist_slots", "ddp_buckets", "delayed_update_shadow")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Settings:
     use_torch: bool
     gpu_assist: bool
     speculation_bytes: int
+    delayed: bool  # optimizer.delayed_param_update: a GPU shadow of the CPU-stepped weights, no speculation
     distributed: bool
     layer_offload: bool
     offload_activations: bool
@@ -90,6 +91,7 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         use_torch=o.optimizer_cpu_offload and o.use_torch_optimizer_for_cpu_offload,
         gpu_assist=o.cpu_offload_gpu_assist,
         speculation_bytes=o.speculation_buffer_mb * MIB,
+        delayed=o.optimizer_cpu_offload and o.delayed_param_update,
         distributed=o.use_distributed_optimizer and world > 1,
         layer_offload=m.cpu_offloading,
         offload_activations=m.cpu_offloading_activations,
@@ -209,6 +211,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
         "optimizer_states": states * n_gpu_side,
         "gpu_assist_slots": 0,
         "ddp_buckets": c.parameters * g_final if s.world > 1 else 0,
+        "delayed_update_shadow": s.weight_elem * n_cpu if s.delayed else 0,  # engine/optim/delayed.py
     }
     if s.gpu_assist and cpu_names:
         largest = max(numel[n] for n in cpu_names)
@@ -302,7 +305,8 @@ def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int,
     optimizer = {}
     if cpu_names:
         optimizer = cpu_side_host_bytes(list(units.values()), kind=s.kind, use_torch=s.use_torch,
-                                        half_bytes=2 if s.half else 0, grad_bytes=g_final, speculate=s.overlap,
+                                        half_bytes=2 if s.half else 0, grad_bytes=g_final,
+                                        speculate=s.overlap and not s.delayed,
                                         speculation_buffer_bytes=s.speculation_bytes)  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},

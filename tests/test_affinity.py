@@ -85,7 +85,7 @@ def test_initializers_off_bind_nothing():
 
 @linux
 def test_the_hybrid_optimizer_pins_its_cpu_threads_when_asked():
-    from test_optim_helpers import tiny_gpt
+    from optim_reference import tiny_gpt
 
     from engine.optim import HybridDeviceOptimizer
 

@@ -8,7 +8,7 @@ import io
 
 import pytest
 import torch
-from test_optim_helpers import HP, batches, groups, schedule, tiny_gpt
+from optim_reference import HP, batches, groups, schedule, tiny_gpt
 
 from engine.models.gpt import gpt_loss
 from engine.optim import HybridDeviceOptimizer, fused_kernel
@@ -250,3 +250,28 @@ def test_engine_resume_under_delay_is_bit_for_bit(tmp_path):
     for k, v in resumed.module.state_dict().items():
         assert torch.equal(v, final[k]), k
     resumed.optimizer.close()
+
+
+def test_memory_plan_counts_the_shadow_and_no_speculation():
+    """The plan's GPU part `delayed_update_shadow` is the bytes of the shadow the optimizer really holds, and the
+    host plan has no speculation spares (a delayed step does not speculate)."""
+    import engine
+    from engine.build import named_parameter_groups
+    from engine.config import load_config
+    from engine.models.gpt import GPT
+
+    cfg = load_config(ENGINE)
+    plan = engine.plan(cfg, gpu_budget_bytes=8 << 30, host_budget_bytes=8 << 30)
+    exact = engine.plan(load_config({**ENGINE, "optimizer": {**ENGINE["optimizer"], "delayed_param_update": False}}),
+                        gpu_budget_bytes=8 << 30, host_budget_bytes=8 << 30)  # fmt: skip
+    m = cfg.model
+    model = GPT(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                seq_length=m.seq_length, vocab_size=m.vocab_size).to(torch.bfloat16)  # fmt: skip
+    opt = HybridDeviceOptimizer(named_parameter_groups(model, None, 0.0), lr=1e-3, offload_fraction=0.5,
+                                overlap_cpu_optimizer_d2h_h2d=True, delayed_param_update=True)  # fmt: skip
+    opt.attach_model(model)
+    shadow = sum(t.numel() * t.element_size() for t in opt.delayed.shadow.values())
+    opt.close()
+    assert shadow > 0 and plan.gpu.parts["delayed_update_shadow"] == shadow
+    assert exact.gpu.parts["delayed_update_shadow"] == 0
+    assert plan.host.parts.get("optimizer.speculation", 0) == 0 < exact.host.parts["optimizer.speculation"]

@@ -144,17 +144,20 @@ def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float) -> str
     return None
 
 
-def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
-    """--fraction as a number, or "auto": the memory plan's fraction for the offloaded shape."""
-    if a.fraction != "auto":
-        return float(a.fraction)
-    try:
-        from engine.plan import plan
-    except ImportError:
-        raise SystemExit(f"{COMMAND}: --fraction auto needs the memory plan (engine.plan), not in this checkout; "
-                         "give --fraction 0.3") from None  # fmt: skip
+def plan_fraction(a: argparse.Namespace, shape: Shape) -> float:
+    """The memory plan's fraction (optimizer_offload_fraction="auto") for the offloaded shape on this machine."""
+    from engine.plan import plan
+
     cfg = _config(a, shape, 0.3, False, {"optimizer.optimizer_offload_fraction": "auto"})
     return float(plan(load_config(cfg)).fraction)
+
+
+def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
+    """--fraction as a number, or "auto": the memory plan's. Prints what the plan would choose either way."""
+    planned = plan_fraction(a, shape)
+    print(f"the memory plan picks optimizer_offload_fraction={planned:.2f} for {shape.layers} layers on this machine"
+          f"{'' if a.fraction == 'auto' else f'; running --fraction {a.fraction}'}")  # fmt: skip
+    return planned if a.fraction == "auto" else float(a.fraction)
 
 
 def _model(shape: Shape, device: torch.device, seed: int) -> GPT:
@@ -267,7 +270,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--fraction", default="0.3", help='CPU-stepped fraction of the deep model, or "auto" (the plan)')
+    ap.add_argument("--fraction", default="0.3",
+                    help='CPU-stepped fraction of the deep model (0.3: the issue\'s table), or "auto": the memory plan\'s')
     ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     ap.add_argument("--lr", type=float, default=1e-4)
