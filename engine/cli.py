@@ -21,7 +21,7 @@ from engine import checkpoint, dist, locks, preflight, signals
 from engine.budget import Budgets, parse_gib, peak_rss_bytes
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
-from engine.metrics import MetricsLog, format_bytes
+from engine.metrics import MetricsLog, format_bytes, run_header
 from engine.resources import data_path
 from engine.signals import GracefulStop, Stopped
 from engine.skips import TrainingDiverged
@@ -138,11 +138,14 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
         load = _checkpoint_to_load(cfg)
         stop = stack.enter_context(GracefulStop())
         eng, _, _ = initialize(config=cfg, memory_budgets=budgets)
+        resumed = None
         if load:
             eng.load_checkpoint(load)
+            resumed = {"checkpoint": str(checkpoint.resolve(load)), "iteration": eng.iteration}
             dist.log(f"resumed from {load} at iteration {eng.iteration}")
         eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
-        log = MetricsLog(dist.rank_path(cfg.logging.metrics_file))  # each rank its own file
+        tensorboard = cfg.logging.tensorboard_dir if dist.is_main() else None
+        log = MetricsLog(dist.rank_path(cfg.logging.metrics_file), run_header(cfg.to_dict(), resumed), tensorboard)
         stack.callback(log.close)
         tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval
@@ -168,6 +171,7 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
                 "tokens_per_s": tokens_per_iter / seconds,
                 "peak_memory_bytes": eng.peak_memory_bytes(),
                 "host_offload_bytes": eng.host_bytes(),
+                "activation_offload_bytes": eng.activation_offload_bytes(),
                 "skipped": eng.last_step_skipped,
                 "skipped_steps": eng.skips.total,  # this run's, non-finite or fp16 overflow
                 "peak_host_rss_bytes": peak_rss_bytes(),  # VmHWM: the whole process, pinned buffers included

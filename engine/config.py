@@ -114,6 +114,7 @@ class LoggingConfig:
     log_interval: int = 1
     metrics_file: str | None = "runs/metrics.jsonl"
     progress_bar: bool = True
+    tensorboard_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,8 @@ def _min_lr_below_lr(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
 def _file_sources_need_path(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     d = c.data
     if d.source in ("text", "tokens") and d.path is None:
-        yield Problem("data.path", f'data.source="{d.source}" reads a file; set data.path to it or data.source="stdlib"')
+        yield Problem("data.path", f'data.source="{d.source}" reads a file; set data.path to it or '
+                                   'data.source="stdlib"')  # fmt: skip
     if d.source == "stdlib" and d.path is not None:
         yield Problem("data.path", 'is read only by data.source "text" or "tokens"; set data.source to the kind of '
                                    'file it is, or unset data.path')  # fmt: skip
@@ -320,6 +321,19 @@ def _checkpoint_keys_need_their_folder(c: SimpleNamespace, dp: int) -> Iterator[
         if used and getattr(k, needs) is None:
             yield Problem(f"checkpoint.{key}", f"acts only with checkpoint.{needs} set; set checkpoint.{needs} "
                                                f"or unset checkpoint.{key}")  # fmt: skip
+
+
+@_rule("logging.tensorboard_dir")
+def _tensorboard_installed(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.logging.tensorboard_dir is None:
+        return
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard writes through it)
+    except ImportError:
+        yield Problem(
+            "logging.tensorboard_dir",
+            "needs the tensorboard package: pip install 'offload-engine[tensorboard]', or unset it",
+        )
 
 
 def _blocked(reads: Sequence[str], bad: set[str]) -> bool:

@@ -200,12 +200,16 @@ class Engine:
 
     # -- accounting -----------------------------------------------------------------------------
     def host_bytes(self) -> int:
-        """Bytes held in host memory by offloading (optimizer states and activations)."""
-        total = 0
-        for part in (self.optimizer, self.offloader):
-            if hasattr(part, "host_bytes"):
-                total += part.host_bytes()
+        """Bytes held in host memory by offloading: optimizer states, and activations at their peak (the end of
+        forward; after backward the host holds none)."""
+        total = self.activation_offload_bytes()
+        if hasattr(self.optimizer, "host_bytes"):
+            total += self.optimizer.host_bytes()
         return total
+
+    def activation_offload_bytes(self) -> int:
+        """The most activation bytes held in host memory at once so far: GPU memory the forward did not hold."""
+        return self.offloader.peak_host_bytes() if self.offloader is not None else 0
 
     def peak_memory_bytes(self) -> int:
         """Peak device memory: CUDA's allocator peak, or the process's peak RSS on CPU."""

@@ -1,10 +1,14 @@
-"""Per-iteration metrics: the JSONL file, the progress bar's numbers and the end-of-run summary."""
+"""Per-iteration metrics: the JSONL file (a header record per run, then one record per iteration; strict
+JSON), the same scalars for TensorBoard, the progress bar's numbers and the end-of-run summary."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,27 +36,78 @@ def _loss(x: float | None) -> str:
     return "non-finite" if x is None or not math.isfinite(x) else f"{x:.4f}"
 
 
-class MetricsLog:
-    """Appends one JSON object per record to `path` (None: keeps them in memory only)."""
+def run_header(config: dict[str, Any], resumed_from: dict[str, Any] | None) -> dict[str, Any]:
+    """The record a run appends first, so runs in one file can be told apart: a fresh id, the start time, the
+    config and its digest, and the checkpoint it resumed from (None for a fresh start)."""
+    return {
+        "record": "run",
+        "run_id": uuid.uuid4().hex[:12],
+        "start_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        "resumed_from": resumed_from,
+        "config": config,
+    }
 
-    def __init__(self, path: str | None) -> None:
+
+def read_runs(path: str | Path) -> list[dict[str, Any]]:
+    """A metrics file as its runs: [{"header": run header or None, "records": [iteration records]}]."""
+    runs: list[dict[str, Any]] = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("record") == "run":
+            runs.append({"header": rec, "records": []})
+        else:
+            if not runs:  # written before runs had headers
+                runs.append({"header": None, "records": []})
+            runs[-1]["records"].append(rec)
+    return runs
+
+
+class MetricsLog:
+    """Appends one JSON object per record to `path` (None: keeps them in memory only), after the run's
+    header record; with `tensorboard_dir`, the same scalars as TensorBoard events (torch.utils.tensorboard)."""
+
+    def __init__(
+        self, path: str | None, header: dict[str, Any] | None = None, tensorboard_dir: str | None = None
+    ) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
+        self._tb: Any = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a")
+            if header is not None:
+                self._write_line(header)
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra; the config rule checked it
+
+            self._tb = SummaryWriter(tensorboard_dir)
+            if header is not None:
+                self._tb.add_text("run", json.dumps(strict(header), indent=1))
+
+    def _write_line(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
+        self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         record = strict(record)
         self.records.append(record)
         if self._file:
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
-            self._file.flush()
+            self._write_line(record)
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)):  # None (non-finite) is left out
+                    self._tb.add_scalar(key, float(value), record["iteration"])
+            self._tb.flush()
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
     def summary(self) -> str:
         """Loss first to last, skipped steps, median throughput and iteration time, peaks."""
@@ -62,6 +117,7 @@ class MetricsLog:
         first, last = r[0]["loss"], r[-1]["loss"]
         change = f" ({100.0 * (last - first) / first:+.1f}%)" if first and last is not None else ""
         skipped = r[-1].get("skipped_steps", 0)
+        activations = max(x.get("activation_offload_bytes", 0) for x in r)
         return (
             f"iterations {r[0]['iteration']}..{r[-1]['iteration']}: loss {_loss(first)} -> {_loss(last)}{change}, "
             + (f"{skipped} steps skipped (non-finite loss or gradient norm), " if skipped else "")
@@ -69,6 +125,9 @@ class MetricsLog:
             f"{statistics.median(x['tokens_per_s'] for x in r):,.0f} tokens/s, "
             f"peak memory {format_bytes(max(x['peak_memory_bytes'] for x in r))}, "
             f"host offload {format_bytes(max(x['host_offload_bytes'] for x in r))}"
-            + (f", peak host RSS {format_bytes(r[-1]['peak_host_rss_bytes'])}" if "peak_host_rss_bytes" in r[-1] else "")
+            + (f" (activations {format_bytes(activations)} at the end of forward, not held on the device then)"
+               if activations else "")  # fmt: skip
+            + (f", peak host RSS {format_bytes(r[-1]['peak_host_rss_bytes'])}"
+               if "peak_host_rss_bytes" in r[-1] else "")  # fmt: skip
             + (f", metrics in {self.path}" if self.path else "")
         )

@@ -59,7 +59,8 @@ class SkippedSteps:
             )
         else:
             cause = (
-                f"training diverged after {self.taken} good step{'s' if self.taken > 1 else ''}: the learning rate is too high "
+                f"training diverged after {self.taken} good step{'s' if self.taken > 1 else ''}: the learning rate "
+                "is too high "
                 f"(optimizer.lr={c.optimizer.lr:g}); lower it, or raise optimizer.lr_warmup_iters "
                 f"({c.optimizer.lr_warmup_iters})"
             )

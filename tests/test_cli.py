@@ -18,7 +18,8 @@ def test_short_run_writes_metrics(tmp_path, bin_train):
         f"checkpoint.save={tmp_path / 'ckpt'}",
     )
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    header, *rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert header["record"] == "run" and header["resumed_from"] is None
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     keys = {
         "iteration",

@@ -290,8 +290,8 @@ def test_torchrun_bin_train_on_two_ranks(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=180,
         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rows1 = [json.loads(line) for line in (tmp_path / "m.rank1.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()][1:]  # after the run's header
+    rows1 = [json.loads(line) for line in (tmp_path / "m.rank1.jsonl").read_text().splitlines()][1:]
     assert [r["iteration"] for r in rows] == [1, 2] and [r["loss"] for r in rows] == [r["loss"] for r in rows1]
     assert proc.stdout.count("iterations 1..2: loss") == 1  # the summary, from rank 0 only
     assert checkpoint.load(tmp_path / "ckpt")["iteration"] == 2

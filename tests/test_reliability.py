@@ -3,6 +3,7 @@ what `checkpoint.load` accepts, and the checkpoint keys' rules."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import checkpoint
+from engine import checkpoint, plot
 from engine.cli import train_main
 from engine.engine import Engine
+from engine.metrics import format_bytes, read_runs
 from engine.models.gpt import GPT, gpt_loss
 from engine.skips import TrainingDiverged
 
@@ -208,7 +210,8 @@ def test_sigint_finishes_the_step_saves_and_exits_130(tmp_path, capsys, monkeypa
         return real(self, *a, **k)
 
     monkeypatch.setattr(Engine, "train_batch", interrupted)
-    code, out, err = bin_train(capsys, "train.train_iters=10", f"checkpoint.save={tmp_path}", "logging.metrics_file=null")
+    code, out, err = bin_train(capsys, "train.train_iters=10", f"checkpoint.save={tmp_path}",
+                               "logging.metrics_file=null")  # fmt: skip
     assert code == 130
     assert err.strip().splitlines() == [
         f"stopped by SIGINT after iteration 3: checkpoint saved in {tmp_path / 'iter_0000003'}; resume with "
@@ -299,3 +302,79 @@ def test_override_edge_cases_exit_2_with_a_short_line(capsys):
     code, _, err = bin_train(capsys, "model.num_layers=" + json.dumps(list(range(500))))
     assert code == 2 and err.startswith("error: model.num_layers=[0, 1, 2, ") and "characters): expected integer" in err
     assert len(err) < 300  # the value is shown shortened, not whole
+
+
+# --- metrics: run headers, activation offload peak, TensorBoard, bin/plot ----------------------------------
+
+
+def test_each_run_appends_a_header_and_resumed_runs_say_from_where(tmp_path, capsys):
+    m, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    assert bin_train(capsys, "train.train_iters=2", f"logging.metrics_file={m}", f"checkpoint.save={ck}")[0] == 0
+    assert bin_train(capsys, "train.train_iters=3", f"logging.metrics_file={m}", f"checkpoint.load={ck}")[0] == 0
+    runs = read_runs(m)
+    assert [[r["iteration"] for r in run["records"]] for run in runs] == [[1, 2], [3]]
+    first, second = (run["header"] for run in runs)
+    assert first["resumed_from"] is None
+    assert second["resumed_from"] == {"checkpoint": str(ck / "iter_0000002"), "iteration": 2}
+    assert first["run_id"] != second["run_id"] and first["start_time"] <= second["start_time"]
+    digest = hashlib.sha256(json.dumps(second["config"], sort_keys=True).encode()).hexdigest()
+    assert second["config_sha256"] == digest != first["config_sha256"]  # train_iters and checkpoint.* differ
+    assert second["config"]["train"]["train_iters"] == 3
+
+
+def test_activation_offload_bytes_are_measured_at_their_peak(tmp_path, capsys):
+    m = tmp_path / "m.jsonl"
+    code, out, err = bin_train(capsys, "train.train_iters=2", f"logging.metrics_file={m}", "model.num_layers=2",
+                               "model.hidden_size=64", "model.seq_length=64", "model.cpu_offloading=true",
+                               "model.cpu_offloading_num_layers=1")  # fmt: skip
+    assert code == 0, err
+    recs = read_runs(m)[0]["records"]
+    # the offloaded layer's MLP activation [2, 64, 256] fp32 at least (smaller tensors than 64 KiB stay), all held
+    # at the end of forward; after backward, when the metrics are read, the host holds none
+    assert all(r["activation_offload_bytes"] >= 2 * 64 * 256 * 4 for r in recs), recs
+    assert all(r["host_offload_bytes"] >= r["activation_offload_bytes"] for r in recs)
+    peak = format_bytes(recs[-1]["activation_offload_bytes"])
+    assert f"(activations {peak} at the end of forward, not held on the device then)" in out
+
+
+def test_tensorboard_gets_the_jsonl_scalars(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    code, _, err = bin_train(capsys, "train.train_iters=3", f"logging.metrics_file={m}",
+                             f"logging.tensorboard_dir={tb}")  # fmt: skip
+    assert code == 0, err
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    recs = read_runs(m)[0]["records"]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes", "skipped_steps"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert got == [(r["iteration"], pytest.approx(float(r[key]), rel=1e-6)) for r in recs], key
+
+
+def test_tensorboard_dir_without_tensorboard_is_a_config_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard now fails as if not installed
+    code, _, err = bin_train(capsys, "logging.tensorboard_dir=tb")
+    assert code == 2 and err.strip().splitlines() == [
+        "error: logging.tensorboard_dir=\"tb\": needs the tensorboard package: pip install "
+        "'offload-engine[tensorboard]', or unset it"]  # fmt: skip
+
+
+def test_bin_plot_draws_runs_to_a_png(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ck = tmp_path / "ck"
+    assert bin_train(capsys, "train.train_iters=2", f"logging.metrics_file={a}", f"checkpoint.save={ck}")[0] == 0
+    assert bin_train(capsys, "train.train_iters=4", f"logging.metrics_file={a}", f"checkpoint.load={ck}")[0] == 0
+    assert bin_train(capsys, "train.train_iters=3", f"logging.metrics_file={b}", "optimizer.lr=1e10",
+                     "train.max_skipped_steps=null")[0] == 0  # fmt: skip
+    assert bin_train(capsys, "train.train_iters=2", f"logging.metrics_file={b}")[0] == 0
+    # a resumed run continues its line; a fresh run in the same file is a line of its own
+    assert [(label, [r["iteration"] for r in recs]) for label, recs in plot.series(a)] == [("a", [1, 2, 3, 4])]
+    assert [label for label, _ in plot.series(b)] == ["b (run 1)", "b (run 2)"]
+    out = tmp_path / "fig" / "runs.png"
+    assert plot.main([str(a), str(b), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert plot.main([str(tmp_path / "missing.jsonl")]) == 1
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -120,7 +120,7 @@ def main() -> None:
         grad_bytes = max((g.flat.element_size() for g in part.host.grads.values()), default=4)
         plan = cpu_side_host_bytes(units, kind="adam", use_torch=False, half_bytes=2, grad_bytes=grad_bytes,
                                    speculate=True, speculation_buffer_bytes=mb << 20)  # fmt: skip
-        recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+        recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if "iteration" in r]  # no run header
         row = {
             "job": job,
             "speculation_buffer_mb": mb,

@@ -22,7 +22,7 @@ parity() {  # name, then overrides shared by both runs; the second run adds $OFF
   python3 bin/train "$@" $OFF logging.progress_bar=false "logging.metrics_file=$OUT/$name-off.jsonl" > "$OUT/$name-off.log" 2>&1 || { tail -3 "$OUT/$name-off.log"; return; }
   python3 - "$OUT/$name-base.jsonl" "$OUT/$name-off.jsonl" "$name" <<'PY'
 import json, sys
-a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+a, b = ([r for r in map(json.loads, open(p)) if "iteration" in r] for p in sys.argv[1:3])  # not the run header
 d = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
 print(f"{sys.argv[3]}: {len(a)} iterations, loss {a[0]['loss']:.4f} -> {a[-1]['loss']:.4f}, max |loss delta| {d:.2e} "
       f"({'PASS' if d < 1e-3 else 'FAIL'} < 1e-3); ms/iter {sorted(x['iteration_ms'] for x in a)[len(a)//2]:.1f} -> "

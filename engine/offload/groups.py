@@ -104,6 +104,7 @@ class Group:
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             s.transfers.copy_out(src, stash.host)
             s.held_bytes += nbytes
+            s.peak_held_bytes = max(s.peak_held_bytes, s.held_bytes)
             self._by_storage[key] = stash
             self.stashes.append(stash)
         self.n_slots += 1

@@ -100,6 +100,7 @@ class OffloadSession:
         self.pool = HostPool(pin=self.transfers.pin_memory)
         self.double_buffer = DoubleBuffer(self.transfers) if double_buffering else None
         self.held_bytes = 0
+        self.peak_held_bytes = 0  # the high point, reached at the end of forward (held_bytes is 0 after backward)
         self.chain: Chain | None = None
         self._param_ptrs: set[int] = set()
         self._param_ids: set[int] = set()

@@ -61,6 +61,10 @@ class OffloadHandle:
         """Bytes of saved tensors held in host memory now (the end of forward is the high point)."""
         return self.session.held_bytes if self.session is not None else 0
 
+    def peak_host_bytes(self) -> int:
+        """The most bytes of saved tensors held in host memory at once so far (at the end of a forward)."""
+        return self.session.peak_held_bytes if self.session is not None else 0
+
     def pool_bytes(self) -> int:
         """Host memory the pool has allocated (pinned on CUDA); flat after the first iteration."""
         return self.session.pool.allocated_bytes if self.session is not None else 0
