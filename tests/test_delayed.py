@@ -107,13 +107,16 @@ def test_step_by_step_against_the_reference(torch_kernels, overlap):
     assert any(not torch.equal(steps[-1][0][0][n], exact[-1][0][n]) for n in opt.names if n not in cpu_names)
 
 
-def test_with_the_compiled_pass_to_rounding():
-    """The engine's own compiled AdamW pass (when it builds here): the reference to its rounding."""
-    if fused_kernel.load() is None:
+@pytest.mark.parametrize("use_torch", [False, True], ids=["compiled-pass", "torch.optim"])
+def test_other_arithmetic_to_rounding(use_torch):
+    """The engine's own compiled AdamW pass (when it builds here), or torch.optim stepping the host part
+    (use_torch_optimizer_for_cpu_offload): the reference to their rounding."""
+    if not use_torch and fused_kernel.load() is None:
         pytest.skip("Requires: the compiled AdamW pass (a C compiler)")
     model, data = tiny_gpt(), batches(7, micro=1)
     mine = copy.deepcopy(model)
-    opt = make(mine)
+    opt = make(mine, use_torch_optimizer_for_cpu_offload=use_torch)
+    assert bool(opt.cpu.inner) == use_torch
     for s, ((w, _, d), (rw, _, rd)) in enumerate(zip(ours(mine, data, opt), reference(model, data, opt.cpu_names,
                                                                                       warmup=WARMUP))):  # fmt: skip
         assert d == rd
