@@ -154,7 +154,14 @@ def plan_fraction(a: argparse.Namespace, shape: Shape) -> float:
 
 def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
     """--fraction as a number, or "auto": the memory plan's. Prints what the plan would choose either way."""
-    planned = plan_fraction(a, shape)
+    try:
+        planned = plan_fraction(a, shape)
+    except ValueError as e:  # engine.plan.NothingFits: no fraction fits this machine
+        if a.fraction == "auto":
+            raise SystemExit(f"{COMMAND}: --fraction auto: {e}") from None
+        print(f"the memory plan finds no fitting fraction for {shape.layers} layers here ({e}); "
+              f"running --fraction {a.fraction}")  # fmt: skip
+        return float(a.fraction)
     print(f"the memory plan picks optimizer_offload_fraction={planned:.2f} for {shape.layers} layers on this machine"
           f"{'' if a.fraction == 'auto' else f'; running --fraction {a.fraction}'}")  # fmt: skip
     return planned if a.fraction == "auto" else float(a.fraction)
