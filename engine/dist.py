@@ -229,14 +229,15 @@ def report_failure(message: str) -> str:
 # --- data parallel pieces the engine composes --------------------------------------------------------------
 def wrap_model(module: nn.Module, device: torch.device, optimizer: Any = None) -> nn.Module:
     """The module the engine runs forward through: DDP over `module` when distributed (gradients all-reduced
-    in buckets while backward runs, or reduced to their owners when `optimizer` shards and offers a
-    `ddp_comm_hook`), else `module` itself. DDP broadcasts rank 0's weights at construction."""
+    in buckets while backward runs, or reduced to their owners when `optimizer`, an EngineOptimizer, shards
+    and gives a `comm_hook()`), else `module` itself. DDP broadcasts rank 0's weights at construction."""
     if not is_distributed():
         return module
     ids = [device.index] if device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids)
-    if hasattr(optimizer, "ddp_comm_hook"):
-        ddp.register_comm_hook(None, optimizer.ddp_comm_hook)
+    hook = None if optimizer is None else optimizer.comm_hook()
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     return ddp
 
 

@@ -2,8 +2,8 @@
 optimizer step, LR schedule) and its DeepSpeed-shaped loop API, plus checkpoints.
 
 It composes the mechanisms (model builder, optimizer, activation offload, data) and owns none of
-their logic: everything it needs from an optimizer is `clip_and_step`, with a plain torch
-optimizer served by `_clip_and_step_plain`.
+their logic: everything it needs from an optimizer is `EngineOptimizer` (optim/protocol.py); a plain
+torch optimizer is wrapped once, at construction, in the adapter that implements it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
 from engine.models.gpt import gpt_loss
 from engine.optim.distributed import DistributedOptimizer
+from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.schedule import WarmupDecayLR
 from engine.skips import SkippedSteps
@@ -46,35 +47,14 @@ def _move(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-_OVERFLOW_SCALE = 1e-300  # 0 in fp32: gradients unscaled by it are inf (or nan), never finite
-
-
-def _clip_and_step_plain(
-    optimizer: torch.optim.Optimizer, max_norm: float, grad_scale: float, loss_finite: torch.Tensor | None = None
-) -> tuple[torch.Tensor, bool]:
-    """Unscale, clip and step a plain torch optimizer; returns (pre-clip norm, stepped). A non-finite norm,
-    or `loss_finite` False, skips the step."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if grad_scale != 1.0:
-        torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    finite = torch.isfinite(norm)
-    if loss_finite is not None:
-        finite = finite & loss_finite.to(finite.device)
-    # the one synchronisation: whether to skip must be known before stepping
-    if not finite.item():
-        return norm, False
-    optimizer.step()
-    return norm, True
-
-
 class Engine:
-    """Trains `module` with `optimizer` under `config`; see `initialize` for how it is built."""
+    """Trains `module` with `optimizer` under `config`; see `initialize` for how it is built. `optimizer` is an
+    EngineOptimizer, or a torch optimizer that `self.optimizer` wraps in one."""
 
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: EngineOptimizer | torch.optim.Optimizer,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         config: Config,
         device: torch.device,
@@ -82,24 +62,24 @@ class Engine:
         offloader: Any = None,
         data_parallel_size: int | None = None,
     ) -> None:
-        self.module, self.optimizer, self.lr_scheduler = module, optimizer, lr_scheduler
+        self.module, self.lr_scheduler = module, lr_scheduler
+        self.optimizer: EngineOptimizer = as_engine_optimizer(optimizer)
         self.config, self.device, self.loss_fn, self.offloader = config, device, loss_fn, offloader
         t = config.train
         self.data_parallel_size = data_parallel_size or dist.world_size()
         self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
-        self._forward_module = dist.wrap_model(module, device, optimizer)  # DDP if distributed; state: self.module
+        self._forward_module = dist.wrap_model(module, device, self.optimizer)  # DDP if distributed; state: self.module
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
         self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
         self.micro_step = 0  # backward passes into the current global batch
         self.data_iter: Iterator | None = None
-        self.last_grad_norm: torch.Tensor | float = 0.0
+        self.last_grad_norm = 0.0  # the last step's pre-clip norm of the unscaled gradients
         self.last_step_skipped = False
         self.skips = SkippedSteps(config)  # non-finite steps: counted; too many in a row end the run
         self._loss_sum: torch.Tensor | None = None  # this global batch's micro-batch losses, for the finite check
         self.last_step_delayed = False  # optimizer.delayed_param_update: this step's CPU-side update lands late
         self._autocast = autocast(device, t.precision, t.params_dtype)
-        if hasattr(optimizer, "attach_model"):
-            optimizer.attach_model(module)
+        self.optimizer.attach_model(module)
 
     # -- the loop API ---------------------------------------------------------------------------
     def forward(self, batch: Any) -> torch.Tensor:
@@ -120,8 +100,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation steps and loss-scaled."""
-        if hasattr(self.optimizer, "set_grad_final"):
-            self.optimizer.set_grad_final(self.micro_step + 1 == self.micro_batches_per_step)
+        self.optimizer.set_grad_final(self.micro_step + 1 == self.micro_batches_per_step)
         (loss * (self.scaler.scale / self.micro_batches_per_step)).backward()
         self.micro_step += 1
         detached = loss.detach().float()
@@ -140,20 +119,14 @@ class Engine:
         clip = self.config.optimizer.clip_grad
         loss_sum, self._loss_sum = self._loss_sum, None
         loss_finite = None if loss_sum is None else torch.isfinite(dist.average(loss_sum))  # the same on every rank
-        if hasattr(self.optimizer, "clip_and_step"):  # skips (and discards what it began) on a non-finite norm
-            scale = self.scaler.scale
-            if loss_finite is not None and not loss_finite.item():
-                # the protocol's one way to discard a step: a scale under which every unscaled gradient overflows
-                scale = _OVERFLOW_SCALE
-            norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=scale)
-        else:
-            norm, stepped = _clip_and_step_plain(self.optimizer, clip, self.scaler.scale, loss_finite)
+        # skips (and discards what it began) on a non-finite norm or loss, read in the step's one synchronisation
+        norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale, finite=loss_finite)
         self.scaler.update(stepped)
         if stepped:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_grad_norm, self.last_step_skipped = norm, not stepped
-        self.last_step_delayed = bool(getattr(self.optimizer, "last_step_delayed", False))
+        self.last_step_delayed = self.optimizer.last_step_delayed
         self.micro_step = 0
         self.iteration += 1
         if stepped:
@@ -195,17 +168,13 @@ class Engine:
         """Waits until every pending update is in the model's weights (CPU-stepped layers are written back
         asynchronously; the next forward waits per layer on its own, so only readers of the weights need this).
         Under optimizer.delayed_param_update a delayed update is not pending here: it lands in the next step."""
-        if hasattr(self.optimizer, "synchronize"):
-            self.optimizer.synchronize()
+        self.optimizer.synchronize()
 
     # -- accounting -----------------------------------------------------------------------------
     def host_bytes(self) -> int:
         """Bytes held in host memory by offloading: optimizer states, and activations at their peak (the end of
         forward; after backward the host holds none)."""
-        total = self.activation_offload_bytes()
-        if hasattr(self.optimizer, "host_bytes"):
-            total += self.optimizer.host_bytes()
-        return total
+        return self.activation_offload_bytes() + self.optimizer.host_bytes()
 
     def activation_offload_bytes(self) -> int:
         """The most activation bytes held in host memory at once so far: GPU memory the forward did not hold."""
@@ -231,7 +200,7 @@ class Engine:
                 "cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             },
-            "data": dist.data_state(self.data_iter.state_dict() if hasattr(self.data_iter, "state_dict") else None),
+            "data": dist.data_state(None if self.data_iter is None else self.data_iter.state_dict()),
             "client_state": client_state or {},
         }
         keep = self.config.checkpoint.keep_last

@@ -1,5 +1,5 @@
 """megatron-core's optimizer for `optimizer.implementation="megatron"`, built the way Megatron builds it, behind
-the engine's step protocol (`clip_and_step`).
+the engine's optimizer interface (`EngineOptimizer`, engine/optim/protocol.py).
 
 With `optimizer.optimizer_cpu_offload` this is megatron-core's `HybridDeviceOptimizer` constructed exactly as
 `megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups` constructs it (the same in 0.16.x and
@@ -15,7 +15,6 @@ SGD in megatron-core (its builder overrides the classes it sets), and it has non
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.extras import require
+from engine.optim.protocol import unscale_and_clip_
 
 _GROUP_STEPS = "engine_sub_optimizer_group_steps"  # key of our state dict beside megatron's own
 
@@ -103,7 +103,7 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
 
 
 class MegatronOptimizerAdapter(torch.optim.Optimizer):
-    """The engine's optimizer protocol over a megatron-core optimizer (`inner`).
+    """EngineOptimizer (engine/optim/protocol.py) over a megatron-core optimizer (`inner`).
 
     It shares `inner`'s param-group dicts, so an LR schedule built on the adapter sets the lr `inner` uses
     (HybridDeviceOptimizer copies group settings into its sub-optimizers at every step). Optimizer state
@@ -118,32 +118,43 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
-    @torch.no_grad()
-    def clip_and_step(self, max_norm: float, grad_scale: float = 1.0) -> tuple[float, bool]:
+    def clip_and_step(
+        self, max_norm: float, grad_scale: float = 1.0, *, finite: torch.Tensor | None = None
+    ) -> tuple[float, bool]:
         """Unscale, clip the global L2 norm to `max_norm` (<= 0: no clipping), step `inner`.
 
-        Returns (pre-clip unscaled gradient norm, stepped); a non-finite norm skips the step. Clipping
-        over the model's gradients before `inner.step()` is what Megatron's FP32Optimizer does around it.
+        Returns (pre-clip unscaled gradient norm, stepped); a non-finite norm, or `finite` False, skips the step.
+        Clipping over the model's gradients before `inner.step()` is what Megatron's FP32Optimizer does around it.
         """
         params = self._params_with_grad()
         if not params:
             return 0.0, False
-        if grad_scale != 1.0:
-            torch._foreach_mul_([p.grad for p in params], 1.0 / grad_scale)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
         # the step's one synchronisation: skipping needs the norm on the host (Megatron syncs here too)
-        norm_f = float(norm)
-        if not math.isfinite(norm_f):
-            return norm_f, False
-        self.inner.step()
-        self._opt_called = True  # torch LR schedulers check this to know a step happened
-        return norm_f, True
+        d = unscale_and_clip_(params, max_norm, grad_scale, finite)
+        if d.ok:
+            self.step()  # through step: an LR schedule built on this adapter sees the step
+        return d.norm, d.ok
 
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch API: step without clipping
         return self.inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self.inner.zero_grad(set_to_none)
+
+    # the rest of EngineOptimizer: megatron's optimizer hooks no layer and its step returns with the weights written
+    last_step_delayed = False
+
+    def attach_model(self, model: nn.Module) -> None:  # noqa: D102
+        pass
+
+    def set_grad_final(self, is_final: bool) -> None:  # noqa: D102
+        pass
+
+    def synchronize(self) -> None:  # noqa: D102
+        pass
+
+    def comm_hook(self) -> None:  # noqa: D102 - DDP's all-reduce
+        return None
 
     def state_dict(self) -> dict:
         """`inner`'s state dict, loadable with `torch.load(weights_only=True)`: the optimizer classes that

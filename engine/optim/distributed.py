@@ -27,6 +27,7 @@ import torch
 import torch.distributed as tdist
 
 from engine.optim.hybrid import clear_grads
+from engine.optim.protocol import EngineOptimizer, as_engine_optimizer, decide
 
 _NOT_HYPER = ("params", "param_names")
 
@@ -63,9 +64,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     hyperparameters are handed to the inner optimizer before each step.
     """
 
-    def __init__(
-        self, named_groups: list[dict], build: Callable[[list[dict]], torch.optim.Optimizer], group: Any = None
-    ) -> None:
+    def __init__(self, named_groups: list[dict], build: Callable[[list[dict]], Any], group: Any = None) -> None:
         self.group = group
         self.world_size = tdist.get_world_size(group) if tdist.is_initialized() else 1
         self.rank = tdist.get_rank(group) if tdist.is_initialized() else 0
@@ -86,9 +85,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         for g in named_groups]  # fmt: skip
         self.inner_to_full = [i for i, g in enumerate(owned_groups) if g["params"]]
         self.owned = [p for i in self.inner_to_full for _, p in owned_groups[i]["params"]]
-        self.inner = build([owned_groups[i] for i in self.inner_to_full])  # torch rewrites these dicts in place
+        inner = build([owned_groups[i] for i in self.inner_to_full])  # torch rewrites these dicts in place
+        self.inner: EngineOptimizer = as_engine_optimizer(inner)
         super().__init__([{**_hypers(g), "params": [p for _, p in g["params"]]} for g in named_groups],
-                         dict(self.inner.defaults))  # fmt: skip
+                         dict(inner.defaults))  # fmt: skip
         # per owner rank, its parameters by dtype in model order: the unit of the post-step broadcast
         self._by_owner: list[dict[torch.dtype, list[torch.Tensor]]] = [{} for _ in range(self.world_size)]
         for n, p in named:
@@ -122,33 +122,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- what the engine calls
     def set_grad_final(self, is_final: bool) -> None:
-        if hasattr(self.inner, "set_grad_final"):
-            # Across ranks a gradient is final only once DDP has reduced it, after every backward hook ran: an
-            # inner optimizer that ships gradients from its hooks (the hybrid one) must wait for the step.
-            self.inner.set_grad_final(is_final and self.world_size == 1)
+        # Across ranks a gradient is final only once DDP has reduced it, after every backward hook ran: an
+        # inner optimizer that ships gradients from its hooks (the hybrid one) must wait for the step.
+        self.inner.set_grad_final(is_final and self.world_size == 1)
 
     def attach_model(self, model: torch.nn.Module) -> None:
-        if hasattr(self.inner, "attach_model"):
-            self.inner.attach_model(model)
+        self.inner.attach_model(model)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    @property
+    def last_step_delayed(self) -> bool:
+        return self.inner.last_step_delayed
 
     def host_bytes(self) -> int:
-        return self.inner.host_bytes() if hasattr(self.inner, "host_bytes") else 0
+        return self.inner.host_bytes()
+
+    def comm_hook(self) -> Callable:
+        """`ddp_comm_hook`: each gradient reduced to its owner (EngineOptimizer)."""
+        return self.ddp_comm_hook
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)  # the inner optimizer's own bookkeeping
         clear_grads(self.params_by_name.values(), set_to_none)
 
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - torch.optim API: clip_and_step without clipping
-        if closure is not None:
-            raise ValueError("DistributedOptimizer.step does not take a closure")
-        self.clip_and_step(0.0)
+    def clip_and_step(
+        self, max_norm: float, grad_scale: float = 1.0, *, finite: torch.Tensor | None = None
+    ) -> tuple[float, bool]:
+        """Unscale by grad_scale, clip the global L2 norm to max_norm (0: no clipping), step the owned shard,
+        gather the updated parameters. Returns (global pre-clip norm, stepped); on a non-finite norm, or `finite`
+        False, every rank skips the step (they all see the same norm; `finite` must be the same on every rank)."""
+        return self.step(max_norm=max_norm, grad_scale=grad_scale, finite=finite)  # through step: LR schedulers
 
     @torch.no_grad()
-    def clip_and_step(self, max_norm: float, grad_scale: float = 1.0) -> tuple[float, bool]:
-        """Unscale by grad_scale, clip the global L2 norm to max_norm (0: no clipping), step the owned shard,
-        gather the updated parameters. Returns (global pre-clip norm, stepped); on a non-finite norm every rank
-        skips the step (they all see the same norm)."""
-        self._opt_called = True  # what torch's LR schedulers look for to know the optimizer stepped
+    def step(
+        self, closure: Any = None, *, max_norm: float = 0.0, grad_scale: float = 1.0, finite: torch.Tensor | None = None
+    ) -> tuple[float, bool]:
+        """torch.optim's step (no closure): clip_and_step's update, unclipped unless max_norm is given."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure")
         grads = [p.grad for p in self.owned if p.grad is not None]
         device = self.owned[0].device
         if grads:
@@ -159,21 +172,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.world_size > 1:
             # THE synchronisation of the step: clipping and the finite check need the global norm
             tdist.all_reduce(sq, group=self.group)
-        total = sq.sqrt() / grad_scale
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(total)
-        total_f, coef_f = torch.stack([total, coef]).tolist()
-        if not torch.isfinite(torch.tensor(total_f)):
+        total_f, coef_f, ok = decide(sq.sqrt() / grad_scale, max_norm, finite)
+        if not ok:
             return total_f, False
         self._sync_hypers()
-        if hasattr(self.inner, "clip_and_step"):
-            # unscaling by grad_scale / coef is unscaling by grad_scale and clipping by coef in one factor
-            self.inner.clip_and_step(0.0, grad_scale=grad_scale / coef_f)
-        else:
-            if grad_scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / grad_scale)
-            if max_norm > 0:
-                torch._foreach_mul_(grads, coef.to(device))  # as torch.nn.utils.clip_grad_norm_ does
-            self.inner.step()
+        # unscaling by grad_scale / coef is unscaling by grad_scale and clipping by coef in one factor
+        self.inner.clip_and_step(0.0, grad_scale=grad_scale / coef_f)
         self._gather_params()
         return total_f, True
 
@@ -185,8 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every owner broadcasts its updated parameters (per dtype, one flat buffer); the others copy them in."""
         if self.world_size == 1:
             return
-        if hasattr(self.inner, "synchronize"):
-            self.inner.synchronize()  # an offloaded update must be in the weights before they are sent
+        self.inner.synchronize()  # an offloaded update must be in the weights before they are sent
         pending = []
         for r, by_dtype in enumerate(self._by_owner):
             for dtype, ps in by_dtype.items():

@@ -43,6 +43,7 @@ from engine.optim.cpu_side import CpuPart
 from engine.optim.delayed import DEFAULT_WARMUP, DelayedUpdate
 from engine.optim.gpu_side import GpuPart
 from engine.optim.partition import forward_order, split_for_offload, unit_of
+from engine.optim.protocol import decide
 
 STATE_FORMAT = "engine.optim.hybrid/1"
 _HALF = (torch.bfloat16, torch.float16)
@@ -257,21 +258,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         clear_grads(self.params_by_name.values(), set_to_none)
 
     # ---------------------------------------------------------------- step
-    def step(self, closure=None):  # noqa: D102 - torch.optim API; clip_and_step without clipping
-        if closure is not None:
-            raise ValueError("HybridDeviceOptimizer.step does not take a closure")
-        self.clip_and_step(0.0)
-
-    @torch.no_grad()
-    def clip_and_step(self, max_norm: float, grad_scale: float = 1.0) -> tuple[float, bool]:
+    def clip_and_step(
+        self, max_norm: float, grad_scale: float = 1.0, *, finite: torch.Tensor | None = None
+    ) -> tuple[float, bool]:
         """Unscale by grad_scale, clip the global L2 norm to max_norm (0: no clipping), step both sides.
 
         Returns (global unscaled pre-clip gradient norm, stepped); stepped is False, and nothing is
-        updated, when any gradient is non-finite.
+        updated, when any gradient is non-finite or `finite` is False (EngineOptimizer, optim/protocol.py).
         """
+        return self.step(max_norm=max_norm, grad_scale=grad_scale, finite=finite)  # through step: LR schedulers
+
+    @torch.no_grad()
+    def step(
+        self, closure=None, *, max_norm: float = 0.0, grad_scale: float = 1.0, finite: torch.Tensor | None = None
+    ) -> tuple[float, bool]:
+        """torch.optim's step (no closure): clip_and_step's update, unclipped unless max_norm is given."""
+        if closure is not None:
+            raise ValueError("HybridDeviceOptimizer.step does not take a closure")
         max_norm = options.number_in("max_norm", max_norm, 0.0, None)
         grad_scale = options.number_in("grad_scale", grad_scale, 0.0, None, lo_open=True)
-        self._opt_called = True  # what torch's LR schedulers look for to know the optimizer stepped
         self._build()
         if self.cpu is not None:
             for n in self.names:
@@ -293,12 +298,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         total = torch.linalg.vector_norm(torch.stack([x.to(dev) for x in norms]), 2.0)
         if grad_scale != 1.0:
             total = total / grad_scale
-        coef_t = torch.clamp(max_norm / (total + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(total)
         # THE synchronisation of the step: clipping and the finite check need the global norm on the
         # host before any update, CPU or GPU. Everything else in the step is stream-ordered.
-        total_f, coef = torch.stack([total, coef_t]).tolist()
+        total_f, coef, ok = decide(total, max_norm, finite)
         self._cpu_norms.clear()
-        if not torch.isfinite(torch.tensor(total_f)):
+        if not ok:
             if self.cpu is not None:
                 self.cpu.discard()
             self._main_grads.clear()
@@ -422,3 +426,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Bytes of host memory held by the optimizer (host masters, states, gradient and weight buffers)."""
         self._build()
         return self.cpu.host_bytes() if self.cpu is not None else 0
+
+    def comm_hook(self) -> None:
+        """DDP's all-reduce serves it (EngineOptimizer)."""
+        return None
