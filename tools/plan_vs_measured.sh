@@ -32,8 +32,6 @@ B1=("${COMMON[@]}" model.num_layers=24 model.hidden_size=2048 model.num_attentio
     model.cpu_offloading_double_buffering=true)
 B8=("${COMMON[@]}" model.num_layers=40 model.hidden_size=4096 model.num_attention_heads=32
     optimizer.optimizer_offload_fraction=0.3)
-B13=(train.train_iters=3 logging.progress_bar=false)
-
 one() {  # name, time limit (s), config file, overrides...
   local name=$1 limit=$2 config=$3; shift 3
   echo "=== $name: $(date +%T)"
@@ -45,9 +43,15 @@ one() {  # name, time limit (s), config file, overrides...
   echo "train rc=$? $(date +%T)"; tail -3 "$OUT/$name.log"
 }
 
-one 1.2B 100 configs/default.json "${B1[@]}"
-one 8B 170 configs/default.json "${B8[@]}"
-one 13B 250 configs/13b-h200.json "${B13[@]}"
+MODELS=${MODELS:-"1.2B 8B 13B"}  # a subset, e.g. MODELS="1.2B 13B"; ITERS_13B: the demo's iterations (3)
+B13=(train.train_iters=${ITERS_13B:-3} logging.progress_bar=false)
+for m in $MODELS; do
+  case $m in
+    1.2B) one 1.2B 100 configs/default.json "${B1[@]}" ;;
+    8B) one 8B 170 configs/default.json "${B8[@]}" ;;
+    13B) one 13B "${LIMIT_13B:-250}" configs/13b-h200.json "${B13[@]}" ;;
+  esac
+done
 
 python3 - "$OUT" <<'EOF'
 import json, sys
