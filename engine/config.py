@@ -1,146 +1,101 @@
 """Load, override, validate and freeze the engine configuration.
 
 schemas/engine.schema.json is the single source of truth for keys, types, ranges and defaults; the frozen
-dataclasses below mirror it by hand so editors and type checkers see real fields (tests/test_config.py holds
-them equal to the schema). ``load_config`` merges a JSON file or dict with Megatron-Bridge style dotted
-overrides, fills the schema's defaults, validates with jsonschema, runs the cross-field rules (the
-reference's constraints with its exact messages) and the NOT_BUILT table, and reports every problem at once
+dataclasses here are derived from it at import (a key added to the schema is a field, with its type and default,
+with nothing else to edit). ``load_config`` merges a JSON file or dict with Megatron-Bridge style dotted
+overrides, fills the schema's defaults, validates with jsonschema, runs the cross-field rules (config_rules.py:
+the reference's constraints with its exact messages) and the NOT_BUILT table, and reports every problem at once
 in one ConfigError.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import functools
 import json
 import math
+import operator
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Literal, get_type_hints
+from types import NoneType, SimpleNamespace
+from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 
 from engine import config_json
-from engine.config_rules import NOT_BUILT, RULES, _blocked
-from engine.resources import data_path
+from engine.config_rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked
+from engine.config_schema import SCHEMA_PATH, load_schema, section_properties  # noqa: F401 - re-exported
+from engine.config_schema import plain as _plain
+from engine.config_schema import show as _show
 
-SCHEMA_PATH = data_path("schemas", "engine.schema.json")  # inside the wheel, or schemas/ in a checkout
+# --- the typed config, derived from the schema ----------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    implementation: Literal["builtin", "megatron"] = "builtin"
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None
-    seq_length: int = 128
-    vocab_size: int = 256
-    init_method_std: float = 0.02
-    use_te: bool = False
-    cpu_offloading: bool = False
-    cpu_offloading_num_layers: int | str = 0  # or "auto": resolved by the memory plan in initialize
-    cpu_offloading_activations: bool = True
-    cpu_offloading_weights: bool = False
-    cpu_offloading_double_buffering: bool = False
-    cpu_offloading_layers_path: str | None = None
-    fine_grained_activation_offloading: bool = False
-    offload_modules: tuple[str, ...] = ()
-    pipeline_model_parallel_size: int = 1
-    recompute_granularity: Literal["full", "selective"] | None = None
-    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
+_SCALARS = {"integer": int, "number": float, "boolean": bool, "string": str, "null": NoneType}
 
 
-@dataclass(frozen=True)
-class OptimizerConfig:
-    implementation: Literal["engine", "megatron"] = "engine"
-    optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float | str = 0.0  # or "auto": resolved by the memory plan in initialize
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    use_torch_optimizer_for_cpu_offload: bool = False
-    pin_cpu_grads: bool = True
-    pin_cpu_params: bool = True
-    use_distributed_optimizer: bool = False
-    cpu_optimizer_threads: int | None = None
-    cpu_optimizer_pin_threads: bool = False
-    accumulate_allreduce_grads_in_fp32: bool = True
-    delayed_param_update: bool = False
-    delayed_param_update_warmup: int = 40
-    speculation_buffer_mb: int = 2048
-    cpu_offload_gpu_assist: bool = False
+def _annotation(prop: dict[str, Any]) -> Any:
+    """The Python type of a schema property: Literal for an enum, tuple[item, ...] for an array, unions."""
+    if "enum" in prop:
+        values = tuple(v for v in prop["enum"] if v is not None)
+        atoms = [Literal[values]] + ([NoneType] if None in prop["enum"] else [])
+    else:
+        names = [prop["type"]] if isinstance(prop["type"], str) else prop["type"]
+        atoms = [tuple[_SCALARS[prop["items"]["type"]], ...] if n == "array" else _SCALARS[n] for n in names]
+    return functools.reduce(operator.or_, atoms)
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    train_iters: int = 100
-    global_batch_size: int = 8
-    micro_batch_size: int = 8
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    params_dtype: Literal["fp32", "half"] = "fp32"
-    loss_scale: float | None = None
-    initial_loss_scale: float = 65536.0
-    loss_scale_window: int = 1000
-    seed: int = 1234
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_skipped_steps: int | None = 20
+def _section_class(section: str) -> type:
+    """The frozen dataclass of one schema section: a field per key, in schema order, with the schema's default."""
+    fields = []
+    for key, prop in section_properties()[section].items():
+        value = _typed(prop["default"], prop)
+        fields.append((key, _annotation(prop), dataclasses.field(default=value)))
+    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields, frozen=True)
+    cls.__module__ = __name__  # pickled and shown as engine.config.<Name>Config
+    return cls
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    source: Literal["stdlib", "text", "tokens"] = "stdlib"
-    path: str | None = None
-    token_dtype: Literal["uint8", "uint16", "int32"] = "uint16"
-    max_bytes: int = 16777216
+def _typed(value: Any, prop: dict[str, Any]) -> Any:
+    """Schema value -> dataclass value: arrays become tuples, JSON 1 is 1.0 for numbers and 2.0 is 2 for integers."""
+    types = prop.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool) and "number" in types:
+        return float(value)
+    if isinstance(value, float) and "integer" in types:
+        return int(value)
+    return value
 
 
-@dataclass(frozen=True)
-class LoggingConfig:
-    log_interval: int = 1
-    metrics_file: str | None = "runs/metrics.jsonl"
-    progress_bar: bool = True
-    tensorboard_dir: str | None = None
+ModelConfig = _section_class("model")
+OptimizerConfig = _section_class("optimizer")
+TrainConfig = _section_class("train")
+DataConfig = _section_class("data")
+LoggingConfig = _section_class("logging")
+CheckpointConfig = _section_class("checkpoint")
+_SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "data": DataConfig,
+             "logging": LoggingConfig, "checkpoint": CheckpointConfig}  # fmt: skip
+if list(_SECTIONS) != list(section_properties()):  # a new namespace in the schema gets its name here
+    raise ImportError(f"engine.config: the schema's sections {list(section_properties())} are not {list(_SECTIONS)}")
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
-    load_if_exists: bool = False
-    keep_last: int | None = None
+def _to_dict(self: Any) -> dict[str, dict[str, Any]]:
+    """Every key of every section as plain JSON values (tuples become lists)."""
+    return {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in dataclasses.fields(cls)}
+            for name, cls in _SECTIONS.items()}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every key of every section as plain JSON values (tuples become lists)."""
-        return {
-            f.name: {k.name: _plain(getattr(getattr(self, f.name), k.name)) for k in fields(getattr(self, f.name))}
-            for f in fields(self)
-        }
+Config = dataclasses.make_dataclass(
+    "Config",
+    [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in _SECTIONS.items()],
+    frozen=True,
+    namespace={"to_dict": _to_dict, "__doc__": "The validated run configuration: one frozen section per namespace."},
+)
+Config.__module__ = __name__
 
 
 class ConfigError(ValueError):
@@ -149,19 +104,6 @@ class ConfigError(ValueError):
     def __init__(self, errors: Sequence[str]) -> None:
         self.errors = list(errors)
         super().__init__("\n".join(self.errors))
-
-
-@functools.cache
-def load_schema() -> dict[str, Any]:
-    """The parsed schema, loaded once (callers must not mutate it)."""
-    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    Draft202012Validator.check_schema(schema)
-    return schema
-
-
-def section_properties() -> dict[str, dict[str, dict[str, Any]]]:
-    """{section: {key: property schema}} in schema order."""
-    return {name: spec["properties"] for name, spec in load_schema()["properties"].items()}
 
 
 @functools.cache
@@ -193,15 +135,6 @@ def load_config(
 
 
 # --- sources and overrides ------------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    """A deep copy with Mappings as dicts and tuples as lists, the shapes jsonschema and JSON expect."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return copy.deepcopy(value)
 
 
 def _read_source(source: Any) -> dict[str, Any]:
@@ -291,15 +224,6 @@ def _fill_defaults(raw: dict[str, Any]) -> None:
 
 
 # --- schema validation ------------------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    """`value` as JSON for a message, shortened when long (a message shows the value, not a megabyte of it)."""
-    try:
-        text = json.dumps(_plain(value))
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    return config_json.shorten(text, 80)
 
 
 def _json_type(value: Any) -> str:
@@ -406,10 +330,22 @@ def _namespace(raw: dict[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**views)
 
 
+def check_world_size(cfg: Config, data_parallel_size: int) -> None:
+    """The rules that read the data-parallel size, run on a validated Config at the size the process group has (a
+    Config loaded before the group existed saw WORLD_SIZE from the environment). Raises ConfigError."""
+    errors = []
+    for rule in WORLD_SIZE_RULES:
+        for where, text in rule(cfg, data_parallel_size):
+            section, key = where.split(".")
+            errors.append(f"{where}={_show(getattr(getattr(cfg, section), key))}: {text}")
+    if errors:
+        raise ConfigError(errors)
+
+
 def _rule_errors(raw: dict[str, Any], dp: int, bad: set[str], fired: set[str]) -> list[str]:
     view, errors = _namespace(raw), []
     for reads, rule in RULES:
-        if _blocked(reads, bad):
+        if blocked(reads, bad):
             continue
         for where, text in rule(view, dp):
             fired.add(where)
@@ -421,32 +357,17 @@ def _not_built_errors(raw: dict[str, Any], dp: int, skip: set[str]) -> list[str]
     errors = []
     for row in NOT_BUILT:
         # A rule that already fired on this path (the reference's message) takes precedence.
-        if _blocked([row.path], skip) or not row.rejects(value := _lookup(raw, row.path), dp):
+        if blocked([row.path], skip) or not row.rejects(value := _lookup(raw, row.path), dp):
             continue
-        verdict = f"is not built yet in offload-engine (issue {row.issue})" if row.issue else "in offload-engine"
-        errors.append(f"{row.path}={_show(value)}: {row.what} {verdict}; {row.fix}")
+        errors.append(f"{row.path}={_show(value)}: {row.what} in offload-engine; {row.fix}")
     return errors
 
 
 # --- the typed result -------------------------------------------------------------------------------------
 
 
-def _typed(value: Any, prop: dict[str, Any]) -> Any:
-    """Schema value -> dataclass value: arrays become tuples, JSON 1 is 1.0 for numbers and 2.0 is 2 for integers."""
-    types = prop.get("type", [])
-    types = [types] if isinstance(types, str) else types
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, int) and not isinstance(value, bool) and "number" in types:
-        return float(value)
-    if isinstance(value, float) and "integer" in types:
-        return int(value)
-    return value
-
-
 def _build(raw: dict[str, Any]) -> Config:
-    hints = get_type_hints(Config)
     props = section_properties()
     return Config(**{
-        name: hints[name](**{k: _typed(v, props[name][k]) for k, v in raw[name].items()}) for name in props
+        name: cls(**{k: _typed(v, props[name][k]) for k, v in raw[name].items()}) for name, cls in _SECTIONS.items()
     })  # fmt: skip

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import load_schema
+from engine.config_schema import load_schema
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+from engine.config_schema import default, show
+
 # --- cross-field rules: the reference's constraints first, then our own ----------------------------------
 
 
@@ -21,13 +23,17 @@ class Problem(NamedTuple):
 
 Rule = Callable[[SimpleNamespace, int], Iterator[Problem]]
 RULES: list[tuple[tuple[str, ...], Rule]] = []
+WORLD_SIZE_RULES: list[Rule] = []  # the rules that read the data-parallel size: run again once it is known
 
 
-def _rule(*reads: str) -> Callable[[Rule], Rule]:
-    """Register a rule with the paths it reads; it is skipped when one of them failed the schema."""
+def _rule(*reads: str, world_size: bool = False) -> Callable[[Rule], Rule]:
+    """Register a rule with the paths it reads; it is skipped when one of them failed the schema. world_size: it
+    reads the data-parallel size, so `engine.config.check_world_size` runs it again at the process group's size."""
 
     def register(fn: Rule) -> Rule:
         RULES.append((reads, fn))
+        if world_size:
+            WORLD_SIZE_RULES.append(fn)
         return fn
 
     return register
@@ -110,7 +116,7 @@ def _optimizer_offload_needs_distributed(c: SimpleNamespace, dp: int) -> Iterato
         )
 
 
-@_rule("train.global_batch_size", "train.micro_batch_size")
+@_rule("train.global_batch_size", "train.micro_batch_size", world_size=True)
 def _batch_arithmetic(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     gbs, mbs = c.train.global_batch_size, c.train.micro_batch_size
     step = mbs * dp
@@ -168,19 +174,10 @@ def _fp16_only_keys(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     # An fp16 knob under bf16/fp32 would be accepted and silently ignored; reject it instead.
     if c.train.precision == "fp16":
         return
-    from engine.config import _show, section_properties  # the schema's defaults; imported late (cycle)
-
-    train_props = section_properties()["train"]
     for key in ("loss_scale", "initial_loss_scale", "loss_scale_window"):
-        default = train_props[key]["default"]
-        if getattr(c.train, key) != default:
-            yield (
-                f"train.{key}",
-                (
-                    f'is used only with train.precision="fp16", not "{c.train.precision}"; '
-                    f'set train.{key}={_show(default)} or train.precision="fp16"'
-                ),
-            )
+        if getattr(c.train, key) != (unset := default(f"train.{key}")):
+            yield Problem(f"train.{key}", f'is used only with train.precision="fp16", not "{c.train.precision}"; '
+                          f'set train.{key}={show(unset)} or train.precision="fp16"')  # fmt: skip
 
 
 @_rule("model.fine_grained_activation_offloading", "model.offload_modules")
@@ -256,6 +253,7 @@ def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterat
     "optimizer.optimizer_cpu_offload",
     "optimizer.optimizer_offload_fraction",
     "optimizer.cpu_offload_gpu_assist",
+    world_size=True,
 )
 def _delayed_update_needs_a_cpu_part(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     o = c.optimizer
@@ -272,6 +270,15 @@ def _delayed_update_needs_a_cpu_part(c: SimpleNamespace, dp: int) -> Iterator[Pr
     if o.cpu_offload_gpu_assist:
         yield Problem("optimizer.delayed_param_update", "does not combine with optimizer.cpu_offload_gpu_assist=true "
                       "(the assist writes the weights in place); set one of them to false")  # fmt: skip
+
+
+@_rule("optimizer.implementation", "optimizer.use_distributed_optimizer", world_size=True)
+def _megatron_optimizer_unsharded(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    o = c.optimizer
+    if o.implementation == "megatron" and o.use_distributed_optimizer and dp > 1:
+        yield Problem("optimizer.use_distributed_optimizer", f"shards only optimizer.implementation='engine'; "
+                      f"megatron-core's optimizer across {dp} data-parallel ranks is not built in offload-engine: "
+                      "set optimizer.implementation='engine' or run one rank")  # fmt: skip
 
 
 @_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")
@@ -336,7 +343,7 @@ def _tensorboard_installed(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         )
 
 
-def _blocked(reads: Sequence[str], bad: set[str]) -> bool:
+def blocked(reads: Sequence[str], bad: set[str]) -> bool:
     """True when a path the rule reads (or its section, or one of its items) failed validation."""
     return any(r == b or r.startswith(b + ".") or b.startswith(r + "[") for r in reads for b in bad)
 
@@ -348,14 +355,13 @@ def _blocked(reads: Sequence[str], bad: set[str]) -> bool:
 class NotBuilt:
     path: str
     rejects: Callable[[Any, int], bool]  # (value, data_parallel_size) -> True when the value needs the mechanism
-    what: str  # "<what> is not built yet ..."; with issue None a whole sentence ("... are not supported")
-    issue: int | None  # the issue that builds it; None: not planned
+    what: str  # a whole sentence before " in offload-engine" ("... are not supported")
     fix: str
 
 
 NOT_BUILT: tuple[NotBuilt, ...] = (
-    NotBuilt("model.cuda_graph_impl", lambda v, dp: v != "none", "CUDA graphs are not supported", None,
+    NotBuilt("model.cuda_graph_impl", lambda v, dp: v != "none", "CUDA graphs are not supported",
              'set model.cuda_graph_impl="none"'),
-    NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported", None,
+    NotBuilt("model.pipeline_model_parallel_size", lambda v, dp: v > 1, "pipeline parallelism is not supported",
              "set model.pipeline_model_parallel_size=1"),
 )  # fmt: skip

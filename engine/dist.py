@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from engine.config import Config, load_config
+from engine.config import Config, check_world_size
 
 T = TypeVar("T")
 
@@ -106,16 +106,11 @@ def setup(device_choice: str = "auto", timeout_s: float | None = None) -> int:
 
 
 def setup_for(cfg: Config) -> int:
-    """`setup` for a config's device, then its batch arithmetic checked at the actual world size (a Config built
-    before the process group existed was validated with WORLD_SIZE from the environment)"""
+    """`setup` for a validated config's device, then its rules that read the data-parallel size checked at the
+    actual world size (config.check_world_size: e.g. the batch arithmetic; raises ConfigError)."""
     n = setup(cfg.train.device)
     if n > 1:
-        load_config(cfg, data_parallel_size=n)  # raises ConfigError naming train.global_batch_size
-        if cfg.optimizer.implementation == "megatron" and cfg.optimizer.use_distributed_optimizer:
-            raise ValueError(
-                'optimizer.implementation="megatron" with use_distributed_optimizer across ranks '
-                'is not built yet (issue 5): set optimizer.implementation="engine" or run on one rank'
-            )
+        check_world_size(cfg, n)
     return n
 
 

@@ -80,6 +80,22 @@ def test_section_dataclass_equals_schema(section):
         assert _hint_atoms(hints[key]) == _schema_atoms(prop), key
 
 
+def test_a_key_added_to_the_schema_is_a_typed_field(monkeypatch):
+    """The dataclasses are derived from the schema: nothing else is edited when a key is added."""
+    import copy as copy_module
+
+    from engine import config_schema
+
+    schema = copy_module.deepcopy(load_schema())
+    schema["properties"]["train"]["properties"]["new_knob"] = {"type": ["integer", "null"], "default": 3,
+                                                                "description": "a test key"}  # fmt: skip
+    monkeypatch.setattr(config_schema, "load_schema", lambda: schema)
+    cls = config_module._section_class("train")
+    assert [f.name for f in dataclasses.fields(cls)][-1] == "new_knob"
+    assert cls().new_knob == 3 and get_type_hints(cls)["new_knob"] == int | None
+    assert cls.__name__ == "TrainConfig" and cls.__module__ == "engine.config"
+
+
 def test_a_checkout_reads_the_top_level_schema():
     # schemas/ is the source of truth; a wheel carries a copy inside the package (tests/test_install.py)
     assert SCHEMA_PATH == ROOT / "schemas" / "engine.schema.json"
@@ -440,6 +456,13 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (DPU + ["optimizer.cpu_offload_gpu_assist=true"], 1, re.escape(
             "optimizer.delayed_param_update=true: does not combine with optimizer.cpu_offload_gpu_assist=true")),
     ],
+    "_megatron_optimizer_unsharded": [
+        (["optimizer.implementation=megatron", "optimizer.use_distributed_optimizer=true",
+          "train.global_batch_size=16"], 2, re.escape(
+            "optimizer.use_distributed_optimizer=true: shards only optimizer.implementation='engine'; megatron-core's "
+            "optimizer across 2 data-parallel ranks is not built in offload-engine: set "
+            "optimizer.implementation='engine' or run one rank")),
+    ],
     # fires only where tensorboard does not import: tests/test_reliability.py hides it and checks the message
     "_tensorboard_installed": [],
     "_warmup_within_training": [
@@ -492,6 +515,33 @@ def test_rule_passes(overrides, dp, absent):
     assert not any(absent in e for e in errors), errors
 
 
+def test_world_size_rules_run_again_on_the_validated_config():
+    """dist.setup_for checks a loaded Config at the process group's size with the rules that read it, only those."""
+    from engine.config import check_world_size
+
+    cfg = load_config({}, ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    check_world_size(cfg, 2)
+    with pytest.raises(ConfigError) as caught:
+        check_world_size(cfg, 4)
+    assert caught.value.errors == [
+        "train.global_batch_size=8: must be divisible by train.micro_batch_size (4) x data-parallel size (4) = 16; "
+        "set train.global_batch_size to a multiple of 16 (e.g. 16) or lower train.micro_batch_size"
+    ]
+    megatron = load_config(cfg, ["optimizer.implementation=megatron", "optimizer.use_distributed_optimizer=true"])
+    check_world_size(megatron, 1)
+    with pytest.raises(ConfigError, match=r"^optimizer.use_distributed_optimizer=true: shards only [^\n]*$"):
+        check_world_size(megatron, 2)
+
+
+def test_no_message_cites_an_issue_number():
+    """User-facing text names keys and fixes; internal issue numbers mean nothing to a user."""
+    root = Path(__file__).resolve().parent.parent / "engine"
+    cited = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bissue \d", line, re.IGNORECASE)]  # fmt: skip
+    assert cited == []
+
+
 def test_valid_file_dataset_loads(tmp_path):
     cfg = load_config({"data": {"source": "tokens", "path": str(tmp_path / "t.bin")}})
     assert cfg.data.path == str(tmp_path / "t.bin")
@@ -529,8 +579,7 @@ NOT_BUILT_EXAMPLES: dict[str, tuple[list[str], int]] = {
 def test_not_built_is_rejected_with_its_issue(row):
     overrides, dp = NOT_BUILT_EXAMPLES[row.path]
     errors = errors_of(overrides, dp=dp)
-    verdict = f"is not built yet in offload-engine (issue {row.issue})" if row.issue else "in offload-engine"
-    expected = re.compile(re.escape(f"{row.path}=") + r".+: " + re.escape(f"{row.what} {verdict}; {row.fix}"))
+    expected = re.compile(re.escape(f"{row.path}=") + r".+: " + re.escape(f"{row.what} in offload-engine; {row.fix}"))
     assert errors == [e for e in errors if expected.fullmatch(e)] and len(errors) == 1, errors
 
 
