@@ -13,6 +13,27 @@ from typing import Any, NamedTuple
 
 from engine.config_schema import default, show
 
+# --- rules a mechanism checks too, for callers without a config: each text written once, here ------------
+
+TE_NEEDS_CUDA = 'Transformer Engine layers run on CUDA only; set train.device="auto" or "cuda", or model.use_te=false'
+
+
+def heads_divide_hidden(hidden_size: int, num_attention_heads: int) -> str | None:
+    """What is wrong with model.hidden_size (its value is shown before the text) when the heads do not divide it."""
+    if hidden_size % num_attention_heads:
+        return (f"must be divisible by model.num_attention_heads ({num_attention_heads}); "
+                "change model.hidden_size or model.num_attention_heads")  # fmt: skip
+    return None
+
+
+def assist_needs_engine_adamw(optimizer: str, use_torch_optimizer: bool) -> str | None:
+    """What is wrong with optimizer.cpu_offload_gpu_assist=true for this CPU-side optimizer, if anything."""
+    if optimizer != "adam" or use_torch_optimizer:
+        return ("works with the engine's own AdamW only (optimizer.optimizer='adam', "
+                "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false")  # fmt: skip
+    return None
+
+
 # --- cross-field rules: the reference's constraints first, then our own ----------------------------------
 
 
@@ -131,12 +152,8 @@ def _batch_arithmetic(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
 
 @_rule("model.hidden_size", "model.num_attention_heads")
 def _heads_divide_hidden(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
-    if c.model.hidden_size % c.model.num_attention_heads:
-        yield Problem(
-            "model.hidden_size",
-            f"must be divisible by model.num_attention_heads ({c.model.num_attention_heads}); "
-            "change model.hidden_size or model.num_attention_heads",
-        )
+    if (why := heads_divide_hidden(c.model.hidden_size, c.model.num_attention_heads)) is not None:
+        yield Problem("model.hidden_size", why)
 
 
 @_rule("optimizer.lr", "optimizer.min_lr")
@@ -239,12 +256,8 @@ def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterat
             "assists the CPU-stepped part, which exists only with optimizer.optimizer_cpu_offload=true; "
             "set it, or set optimizer.cpu_offload_gpu_assist=false",
         )
-    elif o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
-        yield Problem(
-            "optimizer.cpu_offload_gpu_assist",
-            "works with the engine's own AdamW only (optimizer.optimizer='adam', "
-            "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false",
-        )
+    elif (why := assist_needs_engine_adamw(o.optimizer, o.use_torch_optimizer_for_cpu_offload)) is not None:
+        yield Problem("optimizer.cpu_offload_gpu_assist", why)
 
 
 @_rule(
@@ -302,8 +315,7 @@ def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     if (why := te_missing()) is not None:
         yield Problem("model.use_te", f"{why}, or set model.use_te=false")
     elif c.train.device == "cpu":
-        yield Problem("model.use_te", 'Transformer Engine layers run on CUDA only; set train.device="auto" or '
-                                      '"cuda", or model.use_te=false')  # fmt: skip
+        yield Problem("model.use_te", TE_NEEDS_CUDA)
     if m.implementation == "builtin" and m.recompute_granularity == "selective":
         yield Problem("model.recompute_granularity", 'the built-in GPT\'s selective recompute is not built for '
                       'Transformer Engine layers; set model.recompute_granularity="full" or null')  # fmt: skip

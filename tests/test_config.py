@@ -515,6 +515,28 @@ def test_rule_passes(overrides, dp, absent):
     assert not any(absent in e for e in errors), errors
 
 
+def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
+    """The built-in GPT and the CPU side check what the config's rules check, for callers without a config: one
+    text each (config_rules), so the two never drift apart."""
+    from engine.models.gpt import GPT
+    from engine.optim import HybridDeviceOptimizer
+
+    rule = errors_of(["model.hidden_size=30", "model.num_attention_heads=4"])
+    with pytest.raises(ValueError) as built:
+        GPT(num_layers=1, hidden_size=30, num_attention_heads=4, seq_length=8, vocab_size=16)
+    assert [str(built.value)] == rule == [
+        "model.hidden_size=30: must be divisible by model.num_attention_heads (4); change model.hidden_size or "
+        "model.num_attention_heads"
+    ]
+    rule = errors_of(["optimizer.cpu_offload_gpu_assist=true", "optimizer.optimizer=sgd",
+                      "optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"])
+    model = GPT(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
+    with pytest.raises(ValueError) as built:
+        HybridDeviceOptimizer(model.named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
+                              gpu_assist=True)._build()  # fmt: skip
+    assert len(rule) == 1 and rule[0].split(": ", 1)[1] == str(built.value).removeprefix("gpu_assist=True ")
+
+
 def test_world_size_rules_run_again_on_the_validated_config():
     """dist.setup_for checks a loaded Config at the process group's size with the rules that read it, only those."""
     from engine.config import check_world_size

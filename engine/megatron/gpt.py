@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.config_rules import TE_NEEDS_CUDA
 from engine.extras import require, require_te
 from engine.megatron.parallel import ensure_model_parallel
 
@@ -152,7 +153,7 @@ def build_gpt(
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_te = bool(_get(model_cfg, "use_te", False))
     if use_te and dev.type != "cuda":
-        raise RuntimeError("model.use_te=true needs CUDA: Transformer Engine layers do not run on CPU")
+        raise RuntimeError(f"model.use_te=true: {TE_NEEDS_CUDA}")
     if _get(model_cfg, "recompute_granularity") and dev.type != "cuda":
         raise RuntimeError(
             "model.recompute_granularity with model.implementation='megatron' needs CUDA: megatron-core's "

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.config_rules import heads_divide_hidden
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, recompute_core: bool) -> None:
@@ -78,10 +80,8 @@ class GPT(nn.Module):
         """layers: blocks built elsewhere (Transformer Engine's) in place of the built-in ones; they initialise
         their own weights, so the name-based init below leaves them alone."""
         super().__init__()
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"model.hidden_size={hidden_size} is not divisible by model.num_attention_heads={num_attention_heads}"
-            )
+        if (why := heads_divide_hidden(hidden_size, num_attention_heads)) is not None:
+            raise ValueError(f"model.hidden_size={hidden_size}: {why}")
         ffn = ffn_hidden_size or 4 * hidden_size
         self.seq_length = seq_length
         self.full_recompute = recompute_granularity == "full"

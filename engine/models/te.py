@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config_rules import TE_NEEDS_CUDA
 from engine.extras import require_te
 
 
@@ -40,7 +41,7 @@ def build_te_layers(
     """`num_layers` TE TransformerLayers: x [b, s, h] -> [b, s, h], causal. Needs CUDA and the `te` extra."""
     require_te("model.use_te=true")
     if torch.device(device).type != "cuda":
-        raise RuntimeError("model.use_te=true needs CUDA: Transformer Engine layers do not run on CPU")
+        raise RuntimeError(f"model.use_te=true: {TE_NEEDS_CUDA}")
     import transformer_engine.pytorch as te
 
     return nn.ModuleList(

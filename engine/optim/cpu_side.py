@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config_rules import assist_needs_engine_adamw
 from engine.optim import affinity, fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import FusedAdamW, TensorStep, TorchOptimizers
@@ -129,9 +130,8 @@ class CpuPart:
         if len(halves) > 1:
             raise ValueError(f"CPU-stepped parameters mix half dtypes {sorted(map(str, halves))}; use one")
         half = halves.pop() if halves else None
-        if gpu_assist and (use_torch or kind != "adam"):
-            raise ValueError("gpu_assist=True works with the engine's own AdamW only; set it to False for SGD or "
-                             "use_torch_optimizer_for_cpu_offload=True")  # fmt: skip
+        if gpu_assist and (why := assist_needs_engine_adamw(kind, use_torch)) is not None:
+            raise ValueError(f"gpu_assist=True {why}")
         with_torch = use_torch or kind != "adam"
         self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0)
         # the assist copies master, m and v both ways: pinned, or the copies run at pageable speed;
