@@ -208,7 +208,7 @@ def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu
         row.losses.append(eng.train_batch(data))  # .item() of the loss: waits for the GPU's work, not the CPU step
         times.append(time.perf_counter() - t)
         rss.append(_rss_bytes())
-        if getattr(opt, "last_step_delayed", False):
+        if eng.last_step_delayed:
             row.delayed_steps.append(eng.iteration)
         cpu = getattr(opt, "cpu", None)
         if cpu is not None and i > a.warmup:  # the previous step's CPU work, finished before this iteration's end
