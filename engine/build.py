@@ -1,4 +1,8 @@
-"""Builders from config: the model `model.*` describes and the optimizer `optimizer.*` describes."""
+"""Builders from config: the model `model.*` describes and the optimizer `optimizer.*` describes.
+
+The model is built on the meta device and materialised on its target device in its final dtype, then
+initialised there (engine.models.init): the host never holds a copy of a model trained on the GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,32 +13,44 @@ from torch import nn
 
 from engine.config import Config, ModelConfig
 from engine.models.gpt import GPT
+from engine.models.init import has_meta, materialize
 
 
-def build_model(m: ModelConfig, device: torch.device, seed: int) -> nn.Module:
-    """The GPT `model.implementation` names, shaped by `model.*`."""
+def build_model(m: ModelConfig, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The GPT `model.implementation` names, shaped by `model.*`, on `device` in `dtype`, initialised from `seed`."""
     if m.implementation == "megatron":
         from engine import megatron
 
-        return megatron.build_gpt(m, device=device, seed=seed)
+        return megatron.build_gpt(m, device=device, seed=seed, dtype=dtype)
     layers = None
     if m.use_te:
         from engine.models.te import build_te_layers
 
+        # TE allocates and initialises its blocks on the GPU itself, in their final dtype
         layers = build_te_layers(num_layers=m.num_layers, hidden_size=m.hidden_size,
                                  num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
-                                 init_method_std=m.init_method_std, device=device)  # fmt: skip
-    return GPT(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        seq_length=m.seq_length,
-        vocab_size=m.vocab_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        init_method_std=m.init_method_std,
-        recompute_granularity=m.recompute_granularity,
-        layers=layers,
-    )
+                                 init_method_std=m.init_method_std, device=device, params_dtype=dtype)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            seq_length=m.seq_length,
+            vocab_size=m.vocab_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            init_method_std=m.init_method_std,
+            recompute_granularity=m.recompute_granularity,
+            layers=layers,
+        )
+    return materialize(model, device, dtype, seed)
+
+
+def place_model(model: nn.Module, device: torch.device, dtype: torch.dtype | None, seed: int) -> nn.Module:
+    """A user's model on `device`, floating tensors in `dtype` (None: as they are). A model on the meta device is
+    materialised there (engine.models.init); one already on `device` in `dtype` is used as it is, not copied."""
+    if has_meta(model):
+        materialize(model, device, dtype, seed)
+    return model.to(device=device, dtype=dtype)
 
 
 def decays(name: str, p: nn.Parameter) -> bool:

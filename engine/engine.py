@@ -18,7 +18,7 @@ from torch import nn
 
 from engine import checkpoint, dist, extras, preflight
 from engine.budget import Budgets
-from engine.build import build_model, build_optimizer, named_parameter_groups
+from engine.build import build_model, build_optimizer, named_parameter_groups, place_model
 from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
 from engine.models.gpt import gpt_loss
@@ -279,15 +279,14 @@ def initialize(
     device = _pick_device(cfg.train.device)
     cfg = preflight.check(cfg, model, device, world, memory_budgets)  # "auto" resolved; refuses what cannot fit
     torch.manual_seed(cfg.train.seed)
-    if model is None:
-        model = build_model(cfg.model, device, cfg.train.seed)
+    half = DTYPES[cfg.train.precision] if cfg.train.params_dtype == "half" else None
+    if model is None:  # built on the meta device, materialised on `device` in its final dtype
+        model = build_model(cfg.model, device, cfg.train.seed, half or torch.float32)
     elif extras.is_megatron_gpt(model):  # a user's megatron-core GPTModel gets the adapter
         from engine import megatron
 
         model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
-    if cfg.train.params_dtype == "half":
-        model = model.to(DTYPES[cfg.train.precision])
-    model = model.to(device)
+    model = place_model(model, device, half, cfg.train.seed)  # a no-op for a model already placed
     offloader = _apply_activation_offloading(model, cfg.model)
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)

@@ -10,6 +10,12 @@ the adapter passes positions 0..s-1 and no mask, and the local spec's causal mas
 
 Layer discovery finds the transformer blocks at `model.gpt.decoder.layers` (also exposed, unregistered, as
 `model.layers`, where the built-in GPT keeps them).
+
+Construction never holds the model on the host for a CUDA run: the local spec is built on the meta device and
+materialised on the target device in its final dtype; the Transformer Engine spec is allocated on the GPU by TE
+and megatron-core, uninitialised. Both are then initialised by `MegatronGPT.init_from_seed`, the engine's seeded
+init (engine.models.init) with megatron-core's default scheme (init_method_std, the output projections scaled by
+1/sqrt(2 * num_layers), biases zero, norms one), so neither megatron's CPU nor its CUDA RNG tracker is drawn from.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 from engine.config_rules import TE_NEEDS_CUDA
 from engine.extras import require, require_te
 from engine.megatron.parallel import ensure_model_parallel
+from engine.models.init import draw_seed, init_transformer_, materialize
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,13 @@ class MegatronGPT(nn.Module):
         """The transformer blocks (megatron's `decoder.layers`), where the built-in GPT keeps them."""
         return self.gpt.decoder.layers
 
+    def init_from_seed(self, seed: int) -> None:
+        """megatron-core's default init from the engine's per-parameter seeded generators (module doc)."""
+        c = self.gpt.config
+        init_transformer_(self.gpt.named_parameters(), seed, std=c.init_method_std, num_layers=c.num_layers,
+                          embedding_std=c.embedding_init_method_std,
+                          zero_centered_gamma=c.layernorm_zero_centered_gamma)  # fmt: skip
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         if tokens.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
@@ -67,8 +81,8 @@ def transformer_config(model_cfg: Any, **overrides: Any) -> Any:
     """megatron-core's TransformerConfig for our `model.*` shape (a ModelConfig or any object with its fields).
 
     Dropout is off, as in the built-in GPT, so runs with and without offloading are comparable step by step.
-    Weights are initialised on the CPU (`use_cpu_initialization`) from torch's default generator: the same
-    seed gives the same weights on CPU and GPU, and no CUDA RNG tracker is needed to build.
+    `use_cpu_initialization` makes megatron-core allocate without naming a device, so a `torch.device("meta")`
+    context catches every tensor (`build_gpt` initialises the weights afterwards, on the target device).
     """
     require("model.implementation='megatron'")
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -138,16 +152,19 @@ def build_gpt(
     model_cfg: Any,
     *,
     device: torch.device | str | None = None,
-    seed: int = 1234,
+    seed: int | None = None,
+    dtype: torch.dtype = torch.float32,
     core_attention: str = "auto",
     **config_overrides: Any,
 ) -> MegatronGPT:
     """A megatron-core GPTModel shaped by `model_cfg` (our `model.*`), wrapped in `MegatronGPT`.
 
-    `device` is where the model will run (default: CUDA if available); the model is built on the CPU and the
-    caller moves it. `core_attention`: "megatron" (megatron-core's DotProductAttention, CUDA only), "sdpa"
-    (torch SDPA, any device) or "auto" (megatron's on CUDA, SDPA on CPU). Sets up megatron-core's parallel
-    state first if nobody has. The output layer is untied from the embedding, as in the built-in GPT.
+    The model is built on `device` (default: CUDA if available) with its floating tensors in `dtype`, and
+    initialised there from `seed` (None: drawn from torch's default generator, so `torch.manual_seed` before the
+    call reproduces it; megatron's CUDA RNG tracker is then seeded with 1234). `core_attention`: "megatron"
+    (megatron-core's DotProductAttention, CUDA only), "sdpa" (torch SDPA, any device) or "auto" (megatron's on
+    CUDA, SDPA on CPU). Sets up megatron-core's parallel state first if nobody has. The output layer is untied
+    from the embedding, as in the built-in GPT.
     """
     require("model.implementation='megatron'")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,23 +176,37 @@ def build_gpt(
             "model.recompute_granularity with model.implementation='megatron' needs CUDA: megatron-core's "
             "recompute saves and restores CUDA RNG states; set model.recompute_granularity=null on CPU"
         )
-    ensure_model_parallel(seed=seed, device=dev)
+    ensure_model_parallel(seed=1234 if seed is None else seed, device=dev)
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model_cfg, **config_overrides)
+    init_seed = draw_seed() if seed is None else seed
     spec = layer_spec(use_te, core_attention, dev)
-    if not use_te:
+    if use_te:
+        # TE names its device itself (CPU under use_cpu_initialization): let it and megatron-core allocate on the
+        # GPU in the final dtype, and skip their init (their CUDA tracker is not reseeded by a second build)
+        config_overrides = {"use_cpu_initialization": False, "perform_initialization": False, "params_dtype": dtype,
+                            **config_overrides}  # fmt: skip
+    else:
         spec = _with_torch_final_norm(spec, model_cfg.num_layers)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=model_cfg.vocab_size,
-        max_sequence_length=model_cfg.seq_length,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
-    )
+    config = transformer_config(model_cfg, **config_overrides)
+    with torch.device(dev if use_te else "meta"):
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=model_cfg.seq_length,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="learned_absolute",
+        )
+    model = MegatronGPT(gpt)
+    if use_te:
+        model.to(dtype)  # the few torch modules megatron-core builds in fp32 (the position embedding)
+        model.init_from_seed(init_seed)
+    else:
+        # megatron-core ran its CPU init on meta tensors (free) so its parallel attributes are set as usual
+        materialize(model, dev, dtype, init_seed)
     log.info("megatron: built GPTModel with %d layers (%s spec)", model_cfg.num_layers, "te" if use_te else "local")
-    return MegatronGPT(gpt)
+    return model
 
 
 def is_gpt_model(model: nn.Module) -> bool:
@@ -187,7 +218,9 @@ def is_gpt_model(model: nn.Module) -> bool:
 
 def as_engine_module(model: nn.Module, *, seed: int = 1234, device: torch.device | str | None = None) -> nn.Module:
     """A user's model as the engine runs it: a bare megatron-core GPTModel gets the `MegatronGPT` adapter (and
-    megatron's parallel state / CUDA RNG tracker where missing); anything else is returned unchanged."""
+    megatron's parallel state / CUDA RNG tracker where missing); anything else is returned unchanged. A GPTModel
+    built under `torch.device("meta")` stays there: the adapter's `init_from_seed` initialises it once
+    `engine.models.init.materialize` has placed it (engine.initialize does both)."""
     if not is_gpt_model(model):
         return model
     ensure_model_parallel(seed=seed, device=device)

@@ -1,6 +1,8 @@
 """The built-in GPT: a pre-norm decoder with SDPA attention, shaped by `model.*` of the config.
 
-Its transformer blocks live in `GPT.layers` (a ModuleList), the place layer discovery looks first.
+Its transformer blocks live in `GPT.layers` (a ModuleList), the place layer discovery looks first. Built under
+`torch.device("meta")` it allocates nothing; `engine.models.init.materialize` then gives it storage on the target
+device and calls `init_from_seed` there (the engine's builder does both).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config_rules import heads_divide_hidden
+from engine.models.init import draw_seed, init_transformer_
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,17 +79,22 @@ class GPT(nn.Module):
         init_method_std: float = 0.02,
         recompute_granularity: str | None = None,
         layers: nn.ModuleList | None = None,
+        seed: int | None = None,
     ) -> None:
         """layers: blocks built elsewhere (Transformer Engine's) in place of the built-in ones; they initialise
-        their own weights, so the name-based init below leaves them alone."""
+        their own weights, so `init_from_seed` leaves them alone. seed: of the initial weights (None: drawn from
+        torch's default generator, so `torch.manual_seed` before the constructor reproduces them). Built on the
+        meta device, the model is left uninitialised for `materialize`."""
         super().__init__()
         if (why := heads_divide_hidden(hidden_size, num_attention_heads)) is not None:
             raise ValueError(f"model.hidden_size={hidden_size}: {why}")
         ffn = ffn_hidden_size or 4 * hidden_size
         self.seq_length = seq_length
         self.full_recompute = recompute_granularity == "full"
-        self.embedding = nn.Embedding(vocab_size, hidden_size)
-        self.position_embedding = nn.Embedding(seq_length, hidden_size)
+        # given weights, nn.Embedding skips its own normal_ init, which on the meta device imports torch._dynamo
+        # (seconds, once); init_from_seed draws them anyway
+        self.embedding = nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+        self.position_embedding = nn.Embedding(seq_length, hidden_size, _weight=torch.empty(seq_length, hidden_size))
         own_layers = layers is None
         if own_layers:
             layers = nn.ModuleList(
@@ -96,20 +104,15 @@ class GPT(nn.Module):
         self.layers = layers
         self.final_norm = nn.LayerNorm(hidden_size)
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
-        self._init_weights(init_method_std, num_layers, own_layers)
+        self.init_method_std, self.num_layers, self.own_layers = init_method_std, num_layers, own_layers
+        if not self.embedding.weight.is_meta:
+            self.init_from_seed(draw_seed() if seed is None else seed)
 
-    def _init_weights(self, std: float, num_layers: int, own_layers: bool) -> None:
-        for name, p in self.named_parameters():
-            if not own_layers and name.startswith("layers."):
-                continue
-            if p.dim() == 1:
-                # LayerNorm weights are ones, every bias zero
-                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
-            elif name.endswith(("proj.weight", "fc2.weight")):
-                # GPT-2's scaled init of the residual-output projections
-                nn.init.normal_(p, 0.0, std / (2 * num_layers) ** 0.5)
-            else:
-                nn.init.normal_(p, 0.0, std)
+    def init_from_seed(self, seed: int) -> None:
+        """GPT-2's init (engine.models.init): N(0, std), the residual-output projections (attention proj, fc2)
+        scaled by 1/sqrt(2 * num_layers), biases zero, LayerNorm weights one; blocks built elsewhere untouched."""
+        named = [(n, p) for n, p in self.named_parameters() if self.own_layers or not n.startswith("layers.")]
+        init_transformer_(named, seed, std=self.init_method_std, num_layers=self.num_layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""

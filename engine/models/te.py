@@ -3,8 +3,9 @@
 `build_te_layers` returns a ModuleList of `transformer_engine.pytorch.TransformerLayer` in the built-in GPT's
 shape and layout: pre-norm LayerNorm, causal self-attention, GELU MLP, no dropout, input and output
 [batch, seq, hidden] (`attn_input_format="bshd"`), so it can stand in for `GPT.layers` one for one. TE builds
-its weights on CUDA and initialises them itself (normal(0, std), the output projections scaled by depth as
-Megatron does); the built-in GPT's name-based init must not run over them.
+its weights on CUDA in `params_dtype` (the run's final dtype: nothing on the host, no cast afterwards) and
+initialises them itself there (normal(0, std) drawn in that dtype from torch's CUDA generator, the output
+projections scaled by depth as Megatron does); the built-in GPT's name-based init must not run over them.
 
 Activation offloading needs nothing special for TE layers in bf16/fp16: TE's autograd functions save plain
 tensors with `ctx.save_for_backward` (FP8 tensors are split into plain data and scale tensors before saving),
