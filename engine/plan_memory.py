@@ -14,8 +14,8 @@ GPU phases (each the sum of what is alive at that moment; the plan is their maxi
              gradients are half (with fp32 accumulation buffers it steps on those directly)
   margin     1 GiB (CUDA context, cuBLAS workspaces: outside torch's allocator) + 5% (the caching allocator)
 
-Host phases: construction (the model as it is built: the built-in GPT in fp32 on the host before it moves, or
-a given model's host bytes), training (the CPU side's parts from engine.optim.host_plan, the pinned activation
+Host phases: construction (a given model's host bytes before it moves; the built-in GPT is built on the meta
+device and allocated on the training device in its final dtype, engine/models/init.py, so it adds none), training (the CPU side's parts from engine.optim.host_plan, the pinned activation
 pool, the runtime, the data), checkpoint (training plus the optimizer's state dict copied to the host).
 On a CPU run the device is the host: the device plan's peak is a host part.
 """
@@ -313,9 +313,9 @@ def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int,
                 "activation_pool": sum(pool_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip
     if not cuda:
         training["device_memory"] = gpu.total_bytes  # a CPU run: the "device" is this host
-    # today's construction: the built-in GPT is built in fp32 on the host, then cast and moved parameter by
-    # parameter (engine.build / engine.engine.initialize), so its fp32 copy is the high point
-    built = 4 * c.parameters if c.builtin else c.host_model_bytes
+    # construction: the built-in GPT is allocated on the device in its final dtype (engine.build), so the host
+    # holds none of it on a CUDA run, and on a CPU run its weights are the device part of training
+    built = 0 if c.builtin else c.host_model_bytes
     phases = {"construction": {**base, "model_construction": built}, "training": training}
     if s.checkpoint_save:  # the optimizer's state dict: fp32 master and states of every parameter, on the host
         per = 4 + {"adam": 8, "sgd": 4 if s.momentum else 0}[s.kind]

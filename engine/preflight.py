@@ -91,8 +91,8 @@ def refusal(p: Planner, plan: Plan) -> str:
         return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
     what = f"host memory: plan needs {gib(plan.host.total_bytes)} GiB, {gib(plan.host.budget_bytes)} GiB available"
     if plan.host.phase == "construction":
-        return (f"{what} while the model is built (its fp32 copy on the host, "
-                f"{gib(plan.host.parts.get('model_construction', 0))} GiB); use a smaller model")  # fmt: skip
+        return (f"{what} while the given model is on the host ({gib(plan.host.parts.get('model_construction', 0))}"
+                ' GiB); build it on the GPU or under torch.device("meta"), or use a smaller model')  # fmt: skip
     if plan.host.phase == "checkpoint":
         return (f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
                 f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory")

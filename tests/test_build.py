@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import engine
 from engine import build
 from engine.config import load_config
 from engine.extras import available as has_megatron
@@ -222,3 +223,14 @@ def test_a_users_meta_megatron_model_gets_the_builders_weights(make_engine, mode
     for (n, p), (m, q) in zip(eng.module.named_parameters(), ref.named_parameters(), strict=True):
         assert n == m and torch.equal(p, q), n
     assert eng.train_batch() > 0
+
+
+@pytest.mark.parametrize("implementation", ["builtin", pytest.param("megatron", marks=needs_megatron)])
+def test_the_plan_counts_no_host_copy_while_the_builtin_gpt_is_built(tiny_config, implementation):
+    """The memory plan of a CUDA run: the construction phase holds only the runtime and the data, since the model
+    is allocated on the GPU (it counted 4 B per parameter on the host when the GPT was built there)."""
+    cfg = {**tiny_config, "model": {**tiny_config["model"], "implementation": implementation},
+           "train": {**tiny_config["train"], "device": "auto"}}  # fmt: skip
+    plan = engine.plan(cfg, gpu_budget_bytes=80 << 30, host_budget_bytes=64 << 30)
+    construction = plan.host.phases["construction"]
+    assert construction == plan.host.parts["runtime"] + plan.host.parts["data"]
