@@ -199,6 +199,9 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
             bar.close()
             dist.log(log.summary())
             raise _stopped(signum, eng, save, saved if saved_at == eng.iteration else None)
+        bar.close()
+        for line in eng.offload_report():  # what offloading moved and saved, per layer stack and for the optimizer
+            dist.log(line)
     return log
 
 

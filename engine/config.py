@@ -26,7 +26,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 
 from engine import config_json
-from engine.config_rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked
+from engine.config_rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked, rules_for  # noqa: F401
 from engine.config_schema import SCHEMA_PATH, load_schema, section_properties  # noqa: F401 - re-exported
 from engine.config_schema import plain as _plain
 from engine.config_schema import show as _show
@@ -116,9 +116,14 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     data_parallel_size: int | None = None,
+    model_in_hand: bool = False,
 ) -> Config:
     """Read ``source`` (a JSON file path, a dict or a Config), apply ``section.key=value`` overrides, fill the
-    schema's defaults and validate; raise ConfigError listing every problem at once."""
+    schema's defaults and validate; raise ConfigError listing every problem at once.
+
+    model_in_hand: the config is for a model passed to engine.initialize, not the built-in GPT: the built-in's
+    shape rules are skipped (engine.user_model checks model.* against the model, the layer count against its
+    discovered layers)."""
     raw = _read_source(source)
     errors = _apply_overrides(raw, overrides)
     dp = _data_parallel_size(data_parallel_size)
@@ -127,7 +132,7 @@ def load_config(
     errors += _non_finite_errors(raw, bad)
     errors += _schema_errors(raw, bad)
     fired: set[str] = set()
-    errors += _rule_errors(raw, dp, bad, fired)
+    errors += _rule_errors(raw, dp, bad, fired, model_in_hand)
     errors += _not_built_errors(raw, dp, bad | fired)
     if errors:
         raise ConfigError(errors)
@@ -342,9 +347,10 @@ def check_world_size(cfg: Config, data_parallel_size: int) -> None:
         raise ConfigError(errors)
 
 
-def _rule_errors(raw: dict[str, Any], dp: int, bad: set[str], fired: set[str]) -> list[str]:
+def _rule_errors(raw: dict[str, Any], dp: int, bad: set[str], fired: set[str], model_in_hand: bool) -> list[str]:
     view, errors = _namespace(raw), []
-    for reads, rule in RULES:
+    view.model_in_hand = model_in_hand
+    for reads, rule in rules_for(model_in_hand):
         if blocked(reads, bad):
             continue
         for where, text in rule(view, dp):

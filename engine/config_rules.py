@@ -294,10 +294,14 @@ def _megatron_optimizer_unsharded(c: SimpleNamespace, dp: int) -> Iterator[Probl
                       "set optimizer.implementation='engine' or run one rank")  # fmt: skip
 
 
-@_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading")
+@_rule("model.cpu_offloading_layers_path", "model.cpu_offloading", "model.fine_grained_activation_offloading",
+       "model.recompute_granularity")  # fmt: skip
 def _layers_path_needs_offloading(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     m = c.model
-    if m.cpu_offloading_layers_path is not None and not (m.cpu_offloading or m.fine_grained_activation_offloading):
+    recomputes = c.model_in_hand and m.recompute_granularity == "full"  # wraps the layers found at the path
+    if m.cpu_offloading_layers_path is not None and not (
+        m.cpu_offloading or m.fine_grained_activation_offloading or recomputes
+    ):
         yield Problem(
             "model.cpu_offloading_layers_path",
             "is read only by activation offloading; set model.cpu_offloading=true or "
@@ -352,6 +356,42 @@ def _tensorboard_installed(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         yield Problem(
             "logging.tensorboard_dir",
             "needs the tensorboard package: pip install 'offload-engine[tensorboard]', or unset it",
+        )
+
+
+# --- a model passed to engine.initialize: its shape comes from the model, not from model.* ------------------------
+
+# the built-in GPT's shape and build: with a model in hand nothing reads them (seq_length and vocab_size are read
+# by the built-in data too, so they stay); engine.user_model refuses them, and the layer count is checked against
+# the discovered layers instead
+BUILTIN_ONLY_KEYS = ("implementation", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "init_method_std", "use_te")  # fmt: skip
+BUILTIN_ONLY_RULES = {"_offloaded_layer_count", "_heads_divide_hidden", "_use_te"}
+USER_MODEL_RULES: list[tuple[tuple[str, ...], Rule]] = []
+
+
+def _user_model_rule(*reads: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        USER_MODEL_RULES.append((reads, fn))
+        return fn
+
+    return register
+
+
+def rules_for(model_in_hand: bool) -> list[tuple[tuple[str, ...], Rule]]:
+    """The rules to run: every rule for the built-in GPT; with a model in hand, those not about the built-in's shape."""
+    if not model_in_hand:
+        return RULES
+    return [r for r in RULES if r[1].__name__ not in BUILTIN_ONLY_RULES] + USER_MODEL_RULES
+
+
+@_user_model_rule("model.recompute_granularity")
+def _user_model_recompute(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.model.recompute_granularity == "selective":
+        yield Problem(
+            "model.recompute_granularity",
+            "selective recompute is the built-in GPT's attention core; for a model of your own set "
+            'model.recompute_granularity="full" (each layer under torch.utils.checkpoint) or null',
         )
 
 

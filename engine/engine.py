@@ -16,17 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras, preflight
+from engine import checkpoint, dist, extras, preflight, report, user_model
+from engine.batch import BatchLoss, takes_labels
 from engine.budget import Budgets
 from engine.build import build_model, build_optimizer, named_parameter_groups, place_model
 from engine.config import Config, load_config
 from engine.data import TokenBatches, load_tokens
-from engine.models.gpt import gpt_loss
 from engine.optim.distributed import DistributedOptimizer
 from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.schedule import WarmupDecayLR
 from engine.skips import SkippedSteps
+from engine.weights import ReadableWeights
 
 
 def _pick_device(choice: str) -> torch.device:
@@ -35,16 +36,6 @@ def _pick_device(choice: str) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _move(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _move(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_move(v, device) for v in batch)
-    return batch
 
 
 class Engine:
@@ -58,17 +49,22 @@ class Engine:
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         config: Config,
         device: torch.device,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         offloader: Any = None,
         data_parallel_size: int | None = None,
+        find_unused_parameters: bool = False,
     ) -> None:
-        self.module, self.lr_scheduler = module, lr_scheduler
+        self._module, self.lr_scheduler = module, lr_scheduler
         self.optimizer: EngineOptimizer = as_engine_optimizer(optimizer)
         self.config, self.device, self.loss_fn, self.offloader = config, device, loss_fn, offloader
         t = config.train
         self.data_parallel_size = data_parallel_size or dist.world_size()
         self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
-        self._forward_module = dist.wrap_model(module, device, self.optimizer)  # DDP if distributed; state: self.module
+        # DDP if distributed; state: self.module
+        self._forward_module = dist.wrap_model(module, device, self.optimizer, find_unused_parameters)
+        half = DTYPES[t.precision] if t.params_dtype == "half" else None  # float inputs follow half weights
+        self._batch_loss = BatchLoss(loss_fn, takes_labels(module), half)
+        self._readable = ReadableWeights(module, self.synchronize)
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
         self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
         self.micro_step = 0  # backward passes into the current global batch
@@ -81,20 +77,32 @@ class Engine:
         self._autocast = autocast(device, t.precision, t.params_dtype)
         self.optimizer.attach_model(module)
 
+    @property
+    def module(self) -> nn.Module:
+        """The model, its weights current: an update still on its way from the CPU is waited for first."""
+        self._readable.wait()
+        return self._module
+
     # -- the loop API ---------------------------------------------------------------------------
     def forward(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch: `(inputs, labels)`, a dict, or a tensor the model maps to a loss."""
-        batch = _move(batch, self.device)
+        """The loss of one micro-batch: `(inputs, labels)`, a dict (HF's `input_ids`, ..., `labels`), or a tensor.
+        How labels reach the model and how its output becomes the loss: engine.batch."""
         model = self._forward_module
         dist.set_grad_sync(model, self.micro_step + 1 >= self.micro_batches_per_step)  # reduce on the last only
-        with self._autocast:
-            if isinstance(batch, (tuple, list)) and len(batch) == 2:
-                return self.loss_fn(model(batch[0]), batch[1])
-            if isinstance(batch, dict):
-                labels = batch.pop("labels", None)
-                out = model(**batch)
-                return out if labels is None else self.loss_fn(out, labels)
-            return model(batch)
+        self._readable.inside_engine = True
+        try:
+            with self._autocast:
+                return self._batch_loss(model, batch, self.device)
+        except RuntimeError as e:
+            if "Expected to have finished reduction" in str(e):  # DDP's, on the step after an unused parameter
+                raise RuntimeError(
+                    f"train.find_unused_parameters={self.config.train.find_unused_parameters!r}: a parameter of the "
+                    "model got no gradient in the last step (a conditional branch, an unused head), which DDP must "
+                    "be told about; set train.find_unused_parameters=true"
+                ) from e
+            raise
+        finally:
+            self._readable.inside_engine = False
 
     __call__ = forward
 
@@ -122,6 +130,7 @@ class Engine:
         # skips (and discards what it began) on a non-finite norm or loss, read in the step's one synchronisation
         norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale, finite=loss_finite)
         self.scaler.update(stepped)
+        self._readable.pending |= stepped  # CPU-stepped weights may still be on their way back
         if stepped:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,8 +175,10 @@ class Engine:
 
     def synchronize(self) -> None:
         """Waits until every pending update is in the model's weights (CPU-stepped layers are written back
-        asynchronously; the next forward waits per layer on its own, so only readers of the weights need this).
+        asynchronously; the next forward waits per layer on its own). Reads through `state_dict()`, a forward
+        of the model or `eng.module` wait by themselves (engine.weights); a tensor kept across steps does not.
         Under optimizer.delayed_param_update a delayed update is not pending here: it lands in the next step."""
+        self._readable.pending = False
         self.optimizer.synchronize()
 
     # -- accounting -----------------------------------------------------------------------------
@@ -186,7 +197,19 @@ class Engine:
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def offload_report(self) -> list[str]:
+        """What offloading did, one line per offloaded layer stack and one for the optimizer (engine.report)."""
+        mbs = self.micro_batches_per_step
+        what = "sub-modules" if self.config.model.fine_grained_activation_offloading else "layers"
+        return report.stack_lines(self.offloader, mbs, what) + report.optimizer_lines(self.optimizer, mbs)
+
     # -- checkpoints ----------------------------------------------------------------------------
+    def save_pretrained(self, save_dir: str, **kwargs: Any) -> str:
+        """The model's own `save_pretrained` (a transformers PreTrainedModel: config and safetensors weights that
+        `from_pretrained` loads), after pending updates; rank 0 writes. For resuming use `save_checkpoint`."""
+        self.synchronize()
+        return dist.on_main(lambda: user_model.save_pretrained(self._module, save_dir, **kwargs))
+
     def save_checkpoint(self, save_dir: str, client_state: dict | None = None) -> str:
         """Atomically saves everything a resumed run needs to continue with the same losses."""
         self.synchronize()
@@ -268,13 +291,22 @@ def initialize(
 ) -> tuple[Engine, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, lr_scheduler)`.
 
-    `model=None` builds the model `model.*` describes. `optimizer=None` builds the one `optimizer.*`
-    describes over `model_parameters` (default: all trainable parameters); a given optimizer is used
-    as-is, with the config's schedule applied to each group's own lr. Before anything large is allocated the
-    memory plan resolves "auto" values and refuses what cannot fit (engine.preflight; memory_budgets: plan
-    against other budgets than this machine's).
+    `model=None` builds the model `model.*` describes. A model of your own (HF transformers or any nn.Module)
+    brings its shape: the built-in GPT's `model.*` shape keys are refused, and layer counts are checked against
+    the layer stacks found in it (engine.user_model). `optimizer=None` builds the one `optimizer.*` describes
+    over `model_parameters` (default: all trainable parameters); a given optimizer is used as-is, with the
+    config's schedule applied to each group's own lr. `loss_fn(output, labels)` turns the model's output into
+    the loss; without it the output's own loss is used (HF: `labels` in the batch), see engine.batch. Before
+    anything large is allocated the memory plan resolves "auto" values and refuses what cannot fit
+    (engine.preflight; memory_budgets: plan against other budgets than this machine's).
     """
-    cfg = config if isinstance(config, Config) and not overrides else load_config(config or {}, list(overrides))
+    in_hand = model is not None  # its shape comes from the model; the built-in GPT's model.* keys are refused
+    if isinstance(config, Config) and not overrides and not in_hand:
+        cfg = config
+    else:
+        cfg = load_config(config or {}, list(overrides), model_in_hand=in_hand)
+    if in_hand:
+        user_model.check(model, cfg.model)  # model.* against the model in hand, before anything is allocated
     world = dist.setup_for(cfg)  # joins torchrun's process group; a no-op for one process
     device = _pick_device(cfg.train.device)
     cfg = preflight.check(cfg, model, device, world, memory_budgets)  # "auto" resolved; refuses what cannot fit
@@ -287,6 +319,8 @@ def initialize(
 
         model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
     model = place_model(model, device, half, cfg.train.seed)  # a no-op for a model already placed
+    if in_hand:
+        user_model.prepare(model, cfg.model)  # full recompute of its layers
     offloader = _apply_activation_offloading(model, cfg.model)
     if optimizer is None:
         groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
@@ -312,5 +346,7 @@ def initialize(
         decay_iters=o.lr_decay_iters or cfg.train.train_iters,
         style=o.lr_decay_style,
     )
-    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn or gpt_loss, offloader, world)
+    unused = cfg.train.find_unused_parameters
+    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn, offloader, world,
+                 find_unused_parameters=in_hand if unused == "auto" else unused)  # fmt: skip
     return eng, optimizer, scheduler

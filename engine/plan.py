@@ -24,7 +24,7 @@ from engine import budget
 from engine.config import Config, load_config
 from engine.plan_auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
 from engine.plan_census import builtin_census, model_census
-from engine.plan_memory import DevicePlan, Plan, settings_of
+from engine.plan_memory import DEFAULT_MIN_BYTES, DevicePlan, Plan, settings_of
 
 __all__ = ["DevicePlan", "NothingFits", "Plan", "format_plan", "plan", "planner"]
 
@@ -121,6 +121,19 @@ def _device_block(title: str, d: DevicePlan) -> list[str]:
     return lines
 
 
+def _offload_lines(p: Plan, s: Any = None) -> list[str]:
+    """What activation offloading will move, as the run's summary says it (engine.report), or that it moves nothing."""
+    k = p.offloaded_layers
+    if not k:
+        return []
+    if not p.offloaded_layer_bytes:
+        return [f"  activation offload: {k} layers wrapped, but nothing moves: every storage they save is at most "
+                f"{DEFAULT_MIN_BYTES} bytes (offload.DEFAULT_MIN_BYTES) or a parameter, so it stays on the device"]
+    per_step = k * p.offloaded_layer_bytes * (s.micro_batches if s is not None else 1)
+    return [f"  activation offload: {k} layers move {per_step / 2**30:.2f} GiB to the host and back per step, "
+            f"{k * p.offloaded_layer_bytes / 2**30:.2f} GiB off the GPU by the end of forward"]  # fmt: skip
+
+
 def format_plan(p: Plan, s: Any = None) -> str:
     """The readable table `bin/train --plan` prints."""
     mark = {True: " (auto)", False: ""}
@@ -133,6 +146,7 @@ def format_plan(p: Plan, s: Any = None) -> str:
         f"  activations: {p.layer_activation_bytes / 2**20:.1f} MiB per layer ({p.activations_source}); an offloaded "
         f"layer moves {p.offloaded_layer_bytes / 2**20:.1f} MiB to the host",
     ]
+    lines += _offload_lines(p, s)
     if s is not None:
         lines.append(f"  offloading adds ~{1000 * added_seconds(p, s):.0f} ms per step (PCIe "
                      f"{PCIE_BYTES_PER_S / 1e9:.0f} GB/s, CPU step {CPU_PARAMS_PER_S / 1e9:.1f} G params/s; "

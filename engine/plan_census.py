@@ -134,7 +134,7 @@ def model_census(
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
 ) -> Census:
     """A user's model: its parameters counted, its first layer's activations measured (measure=False: not)."""
-    from engine.offload.discovery import find_layers
+    from engine.offload.discovery import find_layer_stacks
 
     t = cfg.train
     half = t.params_dtype == "half"
@@ -143,7 +143,9 @@ def model_census(
     by_name = dict(named_all)
     notes: list[str] = []
     try:
-        layers = find_layers(model, cfg.model.cpu_offloading_layers_path)
+        # every stack in forward order (an encoder-decoder's two), as activation offloading counts them
+        stacks = find_layer_stacks(model, cfg.model.cpu_offloading_layers_path)
+        layers = [layer for _, stack in stacks for layer in stack]
     except ValueError as e:
         layers = None
         notes.append(f"no transformer layers found ({e}); activations not planned")

@@ -74,3 +74,11 @@ def test_env_report(bin_train):
     for field in ("torch", "CUDA available", "CPU", "cores", "AVX-512", "pinned memory", "CPU binding"):
         assert field in proc.stdout
     assert "CPU AdamW       compiled C pass (" in proc.stdout  # which path runs (tests/test_fused_kernel.py: why not)
+
+
+def test_summary_says_what_offloading_did(bin_train):
+    proc = bin_train("train.device=cpu", "train.train_iters=2", "optimizer.lr_warmup_iters=0", "model.num_layers=2",
+                     "model.hidden_size=32", "model.seq_length=32", "data.max_bytes=65536", "logging.metrics_file=null",
+                     "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "activation offload layers: 1 of 2 layers wrapped" in proc.stdout, proc.stdout

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import torch
 import engine
 from engine import checkpoint, dist
 from engine.optim.distributed import DistributedOptimizer, partition
+from tests import ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 4  # optimizer steps per run; checkpoints are taken after HALF of them
@@ -113,30 +113,9 @@ def worker(out: Path) -> None:
     dist.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(n: int, args: list[str], timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Starts `python -m tests.test_dist ARGS` as ranks 0..n-1 with torchrun's environment; waits for all."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n),
-               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_dist", *args], cwd=ROOT, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(n)]  # fmt: skip
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return done
+def launch(n: int, args: list[str], timeout: float = 180):
+    """This module's worker (or failing) entry on ranks 0..n-1."""
+    return ranks.launch("tests.test_dist", n, args, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -178,3 +178,17 @@ def test_bin_train_refuses_in_a_subprocess_without_traceback():
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     # the device is this host: the whole model's training state is host memory, which 100 GiB cannot hold
     assert proc.stderr.startswith("error: ") and "100.0 GiB available" in proc.stderr
+
+
+def test_plan_says_what_activation_offload_moves(capsys):
+    rc, out, err = run(capsys, DEMO, "--plan", *H200, "model.cpu_offloading_num_layers=2")
+    assert rc == 0, err
+    assert re.search(r"activation offload: 2 layers move [\d.]+ GiB to the host and back per step, [\d.]+ GiB off "
+                     r"the GPU by the end of forward", out), out  # fmt: skip
+    tiny = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1",
+            "optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0"]  # fmt: skip
+    rc, out, err = run(capsys, DEMO, "--plan", *H200, *tiny)
+    assert rc == 0, err
+    assert "activation offload: 1 layers wrapped, but nothing moves: every storage they save is at most 65536" in out

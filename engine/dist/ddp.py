@@ -15,14 +15,19 @@ from engine.dist.group import is_distributed, is_main, world_size
 T = TypeVar("T")
 
 
-def wrap_model(module: nn.Module, device: torch.device, optimizer: Any = None) -> nn.Module:
+def wrap_model(
+    module: nn.Module, device: torch.device, optimizer: Any = None, find_unused_parameters: bool = False
+) -> nn.Module:
     """The module the engine runs forward through: DDP over `module` when distributed (gradients all-reduced
     in buckets while backward runs, or reduced to their owners when `optimizer`, an EngineOptimizer, shards
-    and gives a `comm_hook()`), else `module` itself. DDP broadcasts rank 0's weights at construction."""
+    and gives a `comm_hook()`), else `module` itself. DDP broadcasts rank 0's weights at construction.
+
+    find_unused_parameters: DDP walks the autograd graph after each forward and marks parameters the step did
+    not use as ready, so their buckets still reduce (without it such a model fails on its next forward)."""
     if not is_distributed():
         return module
     ids = [device.index] if device.type == "cuda" else None
-    ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids)
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused_parameters)
     hook = None if optimizer is None else optimizer.comm_hook()
     if hook is not None:
         ddp.register_comm_hook(None, hook)

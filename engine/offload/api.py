@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from engine.offload.discovery import find_layers, find_submodules
+from engine.offload.discovery import describe_stacks, find_layer_stacks, find_submodules
 from engine.offload.session import OffloadSession
 from engine.offload.wrap import OffloadHandle
 
@@ -21,11 +21,14 @@ def apply_activation_offloading(
     activations: bool = True,
     weights: bool = False,
     double_buffering: bool = False,
-    layers_path: str | None = None,
+    layers_path: str | Sequence[str] | None = None,
     *,
     min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> OffloadHandle:
     """Offload what the first `num_layers` transformer layers save for backward (model.cpu_offloading).
+
+    Layers are counted across every layer stack in forward order (an encoder-decoder's encoder layers first),
+    so `num_layers` may be anything from 0 to the total minus one.
 
     activations: the layers' saved activations. weights: the weight copies they save (autocast's low-precision
     casts of the parameters, and views of them); parameters themselves are never copied, since a copy of a
@@ -33,12 +36,18 @@ def apply_activation_offloading(
     itself, so `weights` has nothing to move there. double_buffering: reload into two reused device buffers,
     one layer ahead; without it, reloads run as far ahead as backward has freed memory for.
     """
-    layers = find_layers(model, layers_path)
+    stacks = find_layer_stacks(model, layers_path)
+    layers = [layer for _, stack in stacks for layer in stack]
     n = len(layers)
     if num_layers < 0 or num_layers >= n:
-        raise ValueError(f"CPU offloading can be done only for layers less than {n}")
+        raise ValueError(
+            f"model.cpu_offloading_num_layers={num_layers}: CPU offloading can be done only for layers less than "
+            f"{n} (found {describe_stacks(stacks)}, counted in forward order); "
+            f"set model.cpu_offloading_num_layers between 0 and {n - 1}"
+        )
+    paths = [p for p, stack in stacks for _ in stack]
     if num_layers == 0:
-        return OffloadHandle(None, [])
+        return OffloadHandle(None, [], paths)
     # reloads ahead of need: as many layers as the non-offloaded ones minus the one computing, so the
     # reloaded layers never hold more than what the non-offloaded layers held at the end of forward
     lookahead = max(1, n - num_layers - 1)
@@ -46,7 +55,7 @@ def apply_activation_offloading(
         model, n, activations=activations, weights=weights, double_buffering=double_buffering,
         lookahead=lookahead, min_bytes=min_bytes,
     )  # fmt: skip
-    handle = OffloadHandle(session, list(layers[:num_layers]))
+    handle = OffloadHandle(session, list(layers[:num_layers]), paths)
     for i, layer in enumerate(layers):
         if i < num_layers:
             handle.offload(layer, i)
@@ -58,7 +67,7 @@ def apply_activation_offloading(
 def apply_fine_grained_offloading(
     model: nn.Module,
     modules: Sequence[str] = ("mlp",),
-    layers_path: str | None = None,
+    layers_path: str | Sequence[str] | None = None,
     *,
     min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> OffloadHandle:
@@ -73,8 +82,10 @@ def apply_fine_grained_offloading(
             "model.offload_modules is empty: name the sub-modules of a layer to offload, "
             'e.g. ["attn_norm", "attn", "mlp_norm", "mlp"] for the built-in GPT'
         )
-    layers = find_layers(model, layers_path)
-    chosen = [m for layer in layers for _, m in find_submodules(layer, tuple(modules))]
+    stacks = find_layer_stacks(model, layers_path)
+    layers = [layer for _, stack in stacks for layer in stack]
+    found = [(p, m) for p, stack in stacks for layer in stack for _, m in find_submodules(layer, tuple(modules))]
+    chosen = [m for _, m in found]
     if not chosen:
         names = sorted({name for layer in layers for name, _ in layer.named_modules() if name})
         raise ValueError(
@@ -85,7 +96,7 @@ def apply_fine_grained_offloading(
         model, len(chosen), activations=True, weights=False, double_buffering=False, lookahead=1,
         min_bytes=min_bytes,
     )  # fmt: skip
-    handle = OffloadHandle(session, chosen)
+    handle = OffloadHandle(session, chosen, [p for p, _ in found])
     for i, m in enumerate(chosen):
         handle.offload(m, i)
     return handle

@@ -1,12 +1,15 @@
-"""Layer discovery: find the ModuleList of transformer blocks, and sub-modules inside them by name or type.
+"""Layer discovery: find the ModuleLists of transformer blocks (the layer stacks), and sub-modules inside them.
 
-Order of search: an explicit dotted path, the built-in GPT's `layers`, megatron-core's `TransformerBlock.layers`
-(when megatron-core is installed, else by class name), then any outermost ModuleList of repeated blocks.
+Order of search: explicit dotted paths, the built-in GPT's `layers`, megatron-core's `TransformerBlock.layers`
+(when megatron-core is installed, else by class name), then every outermost ModuleList of repeated blocks
+(where there are several, lists of bare torch.nn layers such as Linear heads are not stacks). An encoder-decoder
+(T5, BART, Whisper) has two such stacks, found in registration order, which is the order they run in.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -41,6 +44,11 @@ def _megatron_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_block(m) and isinstance(getattr(m, "layers", None), nn.ModuleList)]
 
 
+def _is_torch_layer(m: nn.Module) -> bool:
+    """A bare torch.nn building block (Linear, Embedding, LayerNorm, ...), not a transformer block."""
+    return type(m).__module__.startswith("torch.nn.") and not any(True for _ in m.children())
+
+
 def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """Outermost ModuleLists of >= 2 blocks of one type (a list inside a found one, like MoE experts, is skipped)."""
     found: list[tuple[str, nn.ModuleList]] = []
@@ -55,8 +63,44 @@ def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "")
+
+
+def find_layer_stacks(model: nn.Module, path: str | Sequence[str] | None = None) -> list[tuple[str, nn.ModuleList]]:
+    """Every layer stack of `model` as (dotted path, ModuleList), in the order they run; ValueError if none.
+
+    path: one dotted path or a list of them (model.cpu_offloading_layers_path), in forward order."""
+    if path:
+        paths = [path] if isinstance(path, str) else list(path)
+        return [(p, _resolve(model, p)) for p in paths]
+    from engine.models.gpt import GPT
+
+    for m in model.modules():
+        if isinstance(m, GPT):
+            return [(_name_of(model, m.layers), m.layers)]
+    blocks = _megatron_blocks(model)
+    if len(blocks) == 1:
+        return [(_name_of(model, blocks[0].layers), blocks[0].layers)]
+    stacks = _repeated_lists(model)
+    if len(stacks) > 1:  # several: the stacks of blocks (an encoder and a decoder), not lists of heads or norms
+        stacks = [(p, layers) for p, layers in stacks if not _is_torch_layer(layers[0])]
+    if not stacks:
+        raise ValueError(
+            f"no transformer layers found in {type(model).__name__}: no ModuleList of repeated blocks; {_PATH_HINT}"
+        )
+    return stacks
+
+
+def describe_stacks(stacks: Sequence[tuple[str, nn.ModuleList]]) -> str:
+    """'model.layers (22 x LlamaDecoderLayer)' or 'encoder.block (2 x T5Block), decoder.block (2 x T5Block)'."""
+    return ", ".join(f"{p} ({len(layers)} x {type(layers[0]).__name__ if len(layers) else '-'})"
+                     for p, layers in stacks)  # fmt: skip
+
+
 def find_layers(model: nn.Module, path: str | None = None) -> nn.ModuleList:
-    """The ModuleList (or Sequential) of transformer layers of `model`; ValueError saying what to set if none."""
+    """The one ModuleList (or Sequential) of transformer layers of `model`; ValueError saying what to set if there
+    is none, or several (`find_layer_stacks` returns them all)."""
     if path:
         return _resolve(model, path)
     from engine.models.gpt import GPT

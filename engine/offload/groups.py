@@ -85,6 +85,8 @@ class Group:
         self._by_storage: dict[StorageWeakRef, Stash] = {}  # forward only: weak, so nothing is kept alive
         self.n_slots = 0
         self.n_unpacked = 0
+        self.moved_bytes = 0  # copied out by this call (for the report)
+        self.kept_small = 0  # saved tensors kept on the device for being under the session's min_bytes
         # autograd skips its in-place check when hooks hold saved tensors, so it is done here (see check_versions)
         self._versions: list[tuple[weakref.ref, int]] = []
         self.out_done: object = None  # event: all offload copies finished
@@ -94,6 +96,7 @@ class Group:
     def pack(self, t: torch.Tensor) -> object:
         s = self.session
         if not s.should_offload(t):
+            self.kept_small += s.is_small(t)
             return t.detach()  # kept on the device as autograd would; detach() avoids a cycle through grad_fn
         storage = t.untyped_storage()
         key = StorageWeakRef(storage)
@@ -105,6 +108,7 @@ class Group:
             s.transfers.copy_out(src, stash.host)
             s.held_bytes += nbytes
             s.peak_held_bytes = max(s.peak_held_bytes, s.held_bytes)
+            self.moved_bytes += nbytes
             self._by_storage[key] = stash
             self.stashes.append(stash)
         self.n_slots += 1
@@ -113,6 +117,7 @@ class Group:
 
     def end_forward(self) -> None:
         self._by_storage.clear()
+        self.session.record(self.index, self.moved_bytes, self.kept_small)
         self.out_done = self.session.transfers.record_out()
         self.state = OFFLOADED if self.n_slots else DONE
 

@@ -101,6 +101,12 @@ class OffloadSession:
         self.double_buffer = DoubleBuffer(self.transfers) if double_buffering else None
         self.held_bytes = 0
         self.peak_held_bytes = 0  # the high point, reached at the end of forward (held_bytes is 0 after backward)
+        # what was moved, per unit, for the report (offload.report): bytes copied out since the start, the most
+        # one forward call of the unit copied, and saved tensors kept on the device only for being small
+        self.moved_bytes = [0] * n_units
+        self.peak_call_bytes = [0] * n_units
+        self.kept_small = [0] * n_units
+        self.calls = [0] * n_units
         self.chain: Chain | None = None
         self._param_ptrs: set[int] = set()
         self._param_ids: set[int] = set()
@@ -111,6 +117,20 @@ class OffloadSession:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in tensors} - {0}
         self._param_ids = {id(p) for p in tensors}
+
+    def record(self, unit: int, moved: int, kept_small: int) -> None:
+        """One forward call of `unit` copied `moved` bytes out and kept `kept_small` small tensors."""
+        self.moved_bytes[unit] += moved
+        self.peak_call_bytes[unit] = max(self.peak_call_bytes[unit], moved)
+        self.kept_small[unit] += kept_small
+        self.calls[unit] += 1
+
+    def is_small(self, t: torch.Tensor) -> bool:
+        """A saved activation kept on the device only because its storage is at most `min_bytes`."""
+        if t.device != self.device or t.layout != torch.strided:
+            return False
+        storage = t.untyped_storage()
+        return storage.nbytes() <= self.min_bytes and storage.data_ptr() not in self._param_ptrs
 
     def should_offload(self, t: torch.Tensor) -> bool:
         if t.device != self.device or t.layout != torch.strided:

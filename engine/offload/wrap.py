@@ -51,9 +51,12 @@ def _offload_class(cls: type) -> type:
 class OffloadHandle:
     """What `apply_*` returns: metrics and `remove()`. Hooks and class swaps are undone by `remove()`."""
 
-    def __init__(self, session: OffloadSession | None, offloaded: list[nn.Module]) -> None:
+    def __init__(
+        self, session: OffloadSession | None, offloaded: list[nn.Module], unit_paths: list[str] | None = None
+    ) -> None:
         self.session = session
         self.offloaded = offloaded
+        self.unit_paths = unit_paths or []  # the layer stack each unit belongs to, by unit index
         self._classes: list[tuple[nn.Module, type]] = []
         self._hooks: list[Any] = []
 

@@ -1,0 +1,139 @@
+"""Train a HuggingFace causal LM with the engine's activation and optimizer offloading, then `save_pretrained`.
+
+    python examples/hf_causal_lm.py --preset tiny --device cpu --steps 3           # a tiny random Llama, CPU
+    python examples/hf_causal_lm.py --model path/to/local/dir --save out/          # config (and weights) from a dir
+    python examples/hf_causal_lm.py --preset llama-1.1b --activation-layers 21 --optimizer-fraction 0.5
+
+The model is built from its config (random weights) unless the directory holds weights; nothing is downloaded.
+Batches are written the HF way (`input_ids`, `attention_mask`, `labels`) and there is no loss_fn: the model's
+own loss is used. The data are byte tokens of the Python standard library's sources (real text on every
+machine); bring your own tokenized batches for real training. The last line is a JSON record of the run
+(seconds per iteration after warm-up, peak GPU memory) for tools/hf_gpu.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import engine  # noqa: E402
+from engine.data import stdlib_bytes  # noqa: E402
+from engine.metrics import format_bytes  # noqa: E402
+
+PRESETS = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256),
+    # TinyLlama-1.1B's shape
+    "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+}  # fmt: skip
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a local directory with config.json (and weights, if any)")
+    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="a Llama built from a config")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    p.add_argument("--activation-layers", type=int, default=0, help="layers whose activations go to the host")
+    p.add_argument("--optimizer-fraction", type=float, default=0.0, help="share of the optimizer the CPU steps")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--params-dtype", choices=["fp32", "half"], default="fp32")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--save", help="save_pretrained here at the end")
+    p.add_argument("--override", action="append", default=[], help="any config override, e.g. train.seed=1")
+    return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    import transformers
+
+    with device:  # initialised where it trains: no host copy of a large model
+        if args.model is None:
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**PRESETS[args.preset]))
+        folder = Path(args.model)
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+        if has_weights:
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def batches(seq: int, micro_batch: int, seed: int = 0):
+    """Endless micro-batches of random windows of byte tokens; labels are the inputs (HF shifts them itself)."""
+    tokens = torch.from_numpy(stdlib_bytes(1 << 22).astype("int64"))
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(tokens) - seq, (micro_batch,), generator=g)
+        ids = torch.stack([tokens[s : s + seq] for s in starts.tolist()])
+        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.activation_layers:
+        out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={args.activation_layers}"]
+    if args.optimizer_fraction:
+        out += ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
+                f"optimizer.optimizer_offload_fraction={args.optimizer_fraction}",
+                "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]  # fmt: skip
+    return out + args.override
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    config = {
+        "optimizer": {"lr": args.lr, "lr_warmup_iters": 0, "lr_decay_style": "constant"},
+        "train": {"train_iters": args.steps, "micro_batch_size": args.micro_batch, "device": args.device,
+                  "global_batch_size": args.micro_batch * args.accum, "precision": args.precision,
+                  "params_dtype": args.params_dtype},
+        "logging": {"metrics_file": None, "progress_bar": False},
+    }  # fmt: skip
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = build_model(args, device)
+    eng, _, _ = engine.initialize(model=model, config=config, overrides=overrides(args))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    data, times, losses = batches(args.seq, args.micro_batch), [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        losses.append(eng.train_batch(data))  # the loss's .item() waits for the step's GPU work
+        times.append(time.perf_counter() - start)
+        print(f"step {step + 1}/{args.steps}: loss {losses[-1]:.4f}, {times[-1]:.3f} s", flush=True)
+    timed = times[args.warmup :] or times
+    result = {
+        "model": args.model or args.preset,
+        "activation_layers": args.activation_layers,
+        "optimizer_fraction": args.optimizer_fraction,
+        "s_per_iter": statistics.median(timed),
+        "peak_gpu_bytes": eng.peak_memory_bytes() if device.type == "cuda" else None,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "offload": eng.offload_report(),
+    }
+    for line in result["offload"]:
+        print(line)
+    if args.save:
+        eng.save_pretrained(args.save)
+        print(f"saved to {args.save} (load with {type(eng.module).__name__}.from_pretrained)")
+    peak = "" if result["peak_gpu_bytes"] is None else f", peak GPU memory {format_bytes(result['peak_gpu_bytes'])}"
+    print(f"median {result['s_per_iter']:.3f} s/iter{peak}")
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
