@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import engine
+from engine.config_rules import BUILTIN_ONLY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +38,14 @@ def tiny_config() -> dict:
 
 @pytest.fixture(scope="session")
 def make_engine(tiny_config) -> Callable[..., tuple]:
-    """`make_engine(overrides=(), **kw)`: engine.initialize on the tiny config with dotted overrides."""
+    """`make_engine(overrides=(), **kw)`: engine.initialize on the tiny config with dotted overrides (the built-in
+    GPT's shape keys left out when a model is passed; seq_length and vocab_size stay, for the built-in data)."""
 
     def make(overrides: Sequence[str] = (), **kw) -> tuple:
-        return engine.initialize(config=copy.deepcopy(tiny_config), overrides=list(overrides), **kw)
+        config = copy.deepcopy(tiny_config)
+        if kw.get("model") is not None:  # a model of one's own brings its shape: the built-in GPT's keys are refused
+            config["model"] = {k: v for k, v in config["model"].items() if k not in BUILTIN_ONLY_KEYS}
+        return engine.initialize(config=config, overrides=list(overrides), **kw)
 
     return make
 
