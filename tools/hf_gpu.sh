@@ -6,6 +6,7 @@
 # what offloading moved, and a table last. Logs in $OUT.
 # Usage, from the repo root on the device (carry .whl: the jsonschema wheels the engine needs there):
 #   tools/hf_gpu.sh [.whl] [extra examples/hf_causal_lm.py args, e.g. --steps 20]
+# A CPU dry run of the script itself: ACT_LAYERS=2 tools/hf_gpu.sh none --preset tiny --device cpu --steps 3
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
@@ -26,9 +27,10 @@ run() {  # name, then the example's offload arguments
 }
 EXTRA="$*"
 run none
-run act21 --activation-layers 21
+ACT=${ACT_LAYERS:-21}  # of the 22 layers
+run act21 --activation-layers "$ACT"
 run opt50 --optimizer-fraction 0.5
-run both --activation-layers 21 --optimizer-fraction 0.5
+run both --activation-layers "$ACT" --optimizer-fraction 0.5
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
