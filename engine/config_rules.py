@@ -26,6 +26,15 @@ def heads_divide_hidden(hidden_size: int, num_attention_heads: int) -> str | Non
     return None
 
 
+def offloaded_layer_count(num_layers: int, layers: int, counted: str = "") -> str | None:
+    """What is wrong with model.cpu_offloading_num_layers=num_layers for a model of `layers` transformer layers
+    (Megatron's words); `counted` says how the layers were found in a model of the user's."""
+    if 0 <= num_layers < layers:
+        return None
+    return (f"CPU offloading can be done only for layers less than {layers}{f' ({counted})' if counted else ''}; "
+            f"set model.cpu_offloading_num_layers between 0 and {layers - 1}")  # fmt: skip
+
+
 def assist_needs_engine_adamw(optimizer: str, use_torch_optimizer: bool) -> str | None:
     """What is wrong with optimizer.cpu_offload_gpu_assist=true for this CPU-side optimizer, if anything."""
     if optimizer != "adam" or use_torch_optimizer:
@@ -65,12 +74,8 @@ def _offloaded_layer_count(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     m = c.model
     if m.cpu_offloading_num_layers == "auto":  # the memory plan picks it, within range (_auto_needs_its_switch)
         return
-    if m.cpu_offloading and (m.cpu_offloading_num_layers < 0 or m.cpu_offloading_num_layers >= m.num_layers):
-        yield Problem(
-            "model.cpu_offloading_num_layers",
-            f"CPU offloading can be done only for layers less than {m.num_layers}; "
-            f"set model.cpu_offloading_num_layers between 0 and {m.num_layers - 1}",
-        )
+    if m.cpu_offloading and (why := offloaded_layer_count(m.cpu_offloading_num_layers, m.num_layers)) is not None:
+        yield Problem("model.cpu_offloading_num_layers", why)
 
 
 @_rule("model.cpu_offloading", "model.cpu_offloading_num_layers", "optimizer.optimizer_cpu_offload",

@@ -535,6 +535,13 @@ def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
         HybridDeviceOptimizer(model.named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
                               gpu_assist=True)._build()  # fmt: skip
     assert len(rule) == 1 and rule[0].split(": ", 1)[1] == str(built.value).removeprefix("gpu_assist=True ")
+    from engine.offload import apply_activation_offloading
+
+    rule = errors_of(["model.num_layers=1", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1"])
+    with pytest.raises(ValueError) as built:
+        apply_activation_offloading(model, num_layers=1)
+    said, (rule_start, rule_fix) = str(built.value), rule[0].split("; ")
+    assert said.startswith(rule_start + " (found ") and said.endswith("; " + rule_fix), (said, rule)
 
 
 def test_world_size_rules_run_again_on_the_validated_config():

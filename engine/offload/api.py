@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from engine.config_rules import offloaded_layer_count
 from engine.offload.discovery import describe_stacks, find_layer_stacks, find_submodules
 from engine.offload.session import OffloadSession
 from engine.offload.wrap import OffloadHandle
@@ -39,12 +40,9 @@ def apply_activation_offloading(
     stacks = find_layer_stacks(model, layers_path)
     layers = [layer for _, stack in stacks for layer in stack]
     n = len(layers)
-    if num_layers < 0 or num_layers >= n:
-        raise ValueError(
-            f"model.cpu_offloading_num_layers={num_layers}: CPU offloading can be done only for layers less than "
-            f"{n} (found {describe_stacks(stacks)}, counted in forward order); "
-            f"set model.cpu_offloading_num_layers between 0 and {n - 1}"
-        )
+    counted = f"found {describe_stacks(stacks)}, counted in forward order"
+    if (why := offloaded_layer_count(num_layers, n, counted)) is not None:
+        raise ValueError(f"model.cpu_offloading_num_layers={num_layers}: {why}")
     paths = [p for p, stack in stacks for _ in stack]
     if num_layers == 0:
         return OffloadHandle(None, [], paths)
