@@ -36,7 +36,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 GPU_MARGIN_FIXED = GIB  # CUDA context, cuBLAS workspaces, NCCL: outside torch's caching allocator
 GPU_MARGIN_FRACTION = 0.05  # the caching allocator's rounding and fragmentation
-HOST_RUNTIME_CUDA = 5 * GIB // 2  # python, torch, the CUDA libraries and the driver's host side
+HOST_RUNTIME_CUDA = 3 * GIB // 2  # python, torch, the CUDA libraries and the driver's host side: 1.2 GiB of
+# peak RSS measured on the H200 for a process that trains a model with nothing offloaded (docs/BENCHMARKS.md)
 HOST_RUNTIME_CPU = GIB // 2
 HOST_MARGIN_FRACTION = 0.02  # malloc and page rounding
 POOL_ALIGN = 512  # engine.offload.pool rounds every host buffer up to this

@@ -69,6 +69,7 @@ for name in ("1.2B", "8B", "13B"):
         continue
     metrics = out / f"{name}.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = [r for r in rows if "peak_memory_bytes" in r]  # iteration records (each run starts with a header)
     peak = max(plan["gpu"]["phases"].values())
     total, host = plan["gpu"]["total_bytes"], plan["host"]["total_bytes"]
     if not rows:
