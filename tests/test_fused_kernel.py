@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.optim import fused_kernel
 
@@ -101,8 +102,10 @@ def test_bench_cpass_rows(tmp_path):
     from engine.bench import cpass
 
     out = tmp_path / "cpass.json"
+    threads = torch.get_num_threads()
     assert cpass.main(["--numel", "70000", "--reps", "1", "--threads", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     have = {(r["path"], r["where"]) for r in rows}
     assert have >= {(p, w) for p in ("torch", "c", "torch-ops") for w in ("in place", "out of place")}
     assert all(r["gparams_s"] > 0 for r in rows)
+    assert torch.get_num_threads() == threads  # left as found: later in-process runs compute as before

@@ -168,7 +168,9 @@ def test_sigterm_saves_and_resumes_to_the_uninterrupted_losses(tmp_path, capsys)
     schedule = "optimizer.lr_decay_iters=500"  # the schedule of the 500-iteration run, whatever train_iters says
     proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "train"), *TINY, "train.train_iters=500", schedule,
                              f"checkpoint.save={ck}", f"logging.metrics_file={m1}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # CPU losses depend on torch's thread count: the same as the in-process runs below
+                            env=dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads())))  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not (m1.exists() and len(m1.read_text().splitlines()) >= 3):

@@ -52,6 +52,16 @@ def _torch_adamw(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.opt
 
 
 def measure(numel: int, threads: int, reps: int) -> list[dict]:
+    """The rows; leaves torch's thread count (process-wide: it changes the losses of whatever runs next in this
+    process) as it found it."""
+    before = torch.get_num_threads()
+    try:
+        return _measure(numel, threads, reps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(numel: int, threads: int, reps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     p = torch.randn(numel, generator=g)
     m = torch.randn(numel, generator=g).mul_(1e-3)
