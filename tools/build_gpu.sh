@@ -13,13 +13,7 @@
 # smoke test without a GPU. Logs and a JSON line per stage go to $OUT; the table is printed last.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -n "$1" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$1"/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/device_env.sh" "$1"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 export DEVICE=${DEVICE:-cuda} FRACTION=${FRACTION:-0.5}
 export BIG=${BIG:-"model.num_layers=40 model.hidden_size=5120 model.num_attention_heads=40 model.seq_length=2048"}

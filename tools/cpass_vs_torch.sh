@@ -12,14 +12,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl \
-    >/dev/null 2>&1 || { echo "could not install the wheels in $WHL"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/device_env.sh" "$WHL"
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   echo "cores: $(nproc)"; free -g | head -2

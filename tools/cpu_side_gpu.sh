@@ -17,12 +17,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl \
-    >/dev/null 2>&1 || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh" "$WHL"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc; free -g | head -2
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_optim_gpu.py tests/test_cpu_side.py \

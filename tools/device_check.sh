@@ -5,9 +5,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:?wheel dir}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/device_env.sh" "$WHL"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 bin/train --env | tee "$OUT/env.txt"
 

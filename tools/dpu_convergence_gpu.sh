@@ -8,12 +8,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl \
-    >/dev/null 2>&1 || { echo "installing $WHL/*.whl failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh" "$WHL"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 470 python3 tools/dpu_convergence.py --preset h200-8b --out "$OUT/dpu_convergence_h200_8b.png" "$@" 2>&1 \
   | tee "$OUT/dpu_convergence.log"

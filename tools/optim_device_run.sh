@@ -6,9 +6,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:?wheel dir}; shift
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/device_env.sh" "$WHL"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_optim_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 quiet='Warning|warnings.warn|Evict LRU'  # megatron-core's import-time warnings

@@ -8,12 +8,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls "$WHL"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl \
-    >/dev/null 2>&1 || { echo "installing $WHL/*.whl failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/device_env.sh" "$WHL"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "cores $(nproc), $(free -g | awk '/Mem:/ {print $2}') GiB host memory"
 python3 bin/train --env 2>&1 | grep -E "CPU|cores|binding" | tee "$OUT/env.txt"
