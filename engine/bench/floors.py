@@ -38,22 +38,24 @@ def bandwidth():
     dev2 = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     h2d = t_cuda(lambda: dev.copy_(host, non_blocking=True))
     d2h = t_cuda(lambda: host.copy_(dev, non_blocking=True))
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def both():
-        with torch.cuda.stream(s1):
-            dev.copy_(host, non_blocking=True)
-        with torch.cuda.stream(s2):
-            host2.copy_(dev2, non_blocking=True)
-        s1.synchronize()
-        s2.synchronize()
-
-    bb = t_cuda(both)
+    copies = host, host2, dev, dev2, torch.cuda.Stream(), torch.cuda.Stream()
+    bb = t_cuda(lambda: copy_both_ways(copies))
     print(
         f"H2D pinned {nbytes / h2d / 1e9:.1f} GB/s | D2H pinned {nbytes / d2h / 1e9:.1f} GB/s | "
         f"both at once {2 * nbytes / bb / 1e9:.1f} GB/s total"
     )
-    return host, host2, dev, dev2, s1, s2
+    return copies
+
+
+def copy_both_ways(copies) -> None:
+    """One H2D and one D2H copy at once, each on its own stream, waited for."""
+    host, host2, dev, dev2, s1, s2 = copies
+    with torch.cuda.stream(s1):
+        dev.copy_(host, non_blocking=True)
+    with torch.cuda.stream(s2):
+        host2.copy_(dev2, non_blocking=True)
+    s1.synchronize()
+    s2.synchronize()
 
 
 def cpu_adam(copies):
@@ -65,14 +67,8 @@ def cpu_adam(copies):
     stop = threading.Event()
 
     def traffic():
-        host, host2, dev, dev2, s1, s2 = copies
         while not stop.is_set():
-            with torch.cuda.stream(s1):
-                dev.copy_(host, non_blocking=True)
-            with torch.cuda.stream(s2):
-                host2.copy_(dev2, non_blocking=True)
-            s1.synchronize()
-            s2.synchronize()
+            copy_both_ways(copies)
 
     for threads in (15, 16):
         for busy in (False, True):
