@@ -8,12 +8,20 @@ weights and AdamW states, the stdlib bytes as data), it trains in turn:
 Each model is freed completely (optimizer closed, weak reference checked dead, caches emptied) before
 the next is built: two models at the default shape would not fit on one GPU together.
 
+  --variant   more rows of the deep shape with config overrides (`NAME:key=value,key=value`): another
+              fraction, clip_grad=0 (unclipped steps, where the speculative step can act), a speculation budget.
+`--set key=value` overrides the config of every row (e.g. bf16 gradient accumulation for the largest model).
+
 Per row: median iteration time, tokens/s, model TFLOP/s (formula printed with the table), TFLOP/s over
-the fitting twin's, peak GPU memory, host memory (the engine's accounting and the process's RSS),
-the CPU step's arithmetic time and how much of it the iteration hid. Hidden is estimated from the twin:
-the offloaded model's GPU work alone is taken as the twin's iteration time scaled by the FLOP ratio, so
-exposed = iteration - that, and hidden = CPU step - exposed (clamped to [0, CPU step]). Exposed also
-holds any other cost of offloading (copies the GPU waited for), so hidden is a lower bound.
+the fitting twin's, peak GPU memory, host memory (the engine's accounting and the process's RSS), and the
+CPU step, measured where it runs (engine.optim.cpu_side.StepTiming, medians over the measured steps):
+  CPU step     its arithmetic (host clock), and how much of it ran before the clip factor was known
+               (units guessed during backward, with the guesses committed of those made)
+  GPU waited   CUDA events around each CPU-stepped unit's wait: how long the compute stream stood still for
+               the update (the next forward's pre-hooks, or a delayed update landing)
+  hidden       CPU step - GPU waited: the arithmetic the GPU did not wait for
+  exposed      iteration - the twin's iteration scaled by the FLOP ratio: every cost of offloading the
+               twin does not pay (the GPU's waits, copies, host gaps), an upper bound on what the CPU step costs
 """
 
 from __future__ import annotations
@@ -84,7 +92,7 @@ class Row:
     name: str
     layers: int
     params: int
-    fraction: float
+    fraction: float | str  # "auto" until the row's engine resolves it
     dpu: bool
     pin: bool = False
     iter_ms: float = 0.0
@@ -95,8 +103,12 @@ class Row:
     host_engine_bytes: int = 0
     host_rss_bytes: int = 0
     cpu_step_ms: float | None = None
+    speculated_ms: float | None = None
+    guesses: str | None = None  # "committed/made" over the measured steps
+    gpu_wait_ms: float | None = None
     exposed_ms: float | None = None
     hidden_ms: float | None = None
+    overrides: dict = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     delayed_steps: list[int] = field(default_factory=list)
     setup_s: float = 0.0
@@ -112,9 +124,9 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, extra: dict | None = None,
-            pin: bool = False) -> dict:
-    offload = fraction > 0
+def _config(a: argparse.Namespace, shape: Shape, fraction: float | str, dpu: bool, extra: dict | None = None,
+            pin: bool = False) -> dict:  # fmt: skip
+    offload = fraction == "auto" or fraction > 0
     cfg = {
         "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
                   "seq_length": shape.seq, "vocab_size": shape.vocab},
@@ -129,10 +141,31 @@ def _config(a: argparse.Namespace, shape: Shape, fraction: float, dpu: bool, ext
     }  # fmt: skip
     if dpu:  # a short warm-up: the measured iterations are delayed ones
         cfg["optimizer"].update(delayed_param_update=True, delayed_param_update_warmup=a.dpu_warmup)
-    for path, value in (extra or {}).items():
+    for path, value in {**a.set, **(extra or {})}.items():
         ns, key = path.split(".", 1)
         cfg.setdefault(ns, {})[key] = value
     return cfg
+
+
+def _assignments(text: str, what: str) -> dict:
+    """`key=value,key=value` (values JSON, else strings) -> {"namespace.key": value}."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq or "." not in key:
+            raise SystemExit(f"{COMMAND}: {what} {item!r}: expected namespace.key=value, e.g. optimizer.clip_grad=0")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _variant(text: str) -> tuple[str, dict]:
+    name, colon, rest = text.partition(":")
+    if not colon or not name:
+        raise SystemExit(f"{COMMAND}: --variant {text!r}: expected NAME:key=value[,key=value]")
+    return name, _assignments(rest, "--variant")
 
 
 def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float) -> str | None:
@@ -186,16 +219,19 @@ def _empty_caches() -> None:
                 break
 
 
-def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu: bool, tokens,
-            pin: bool = False) -> Row:  # fmt: skip
+def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float | str, dpu: bool, tokens,
+            pin: bool = False, overrides: dict | None = None) -> Row:  # fmt: skip
     """Train `shape` for warmup + iters steps through the engine, then free everything it built."""
     from engine.engine import initialize
 
-    row = Row(name, shape.layers, shape.params(), fraction, dpu, pin)
+    row = Row(name, shape.layers, shape.params(), fraction, dpu, pin, overrides=dict(overrides or {}))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=_config(a, shape, fraction, dpu, pin=pin))
+    cfg = _config(a, shape, fraction, dpu, overrides, pin=pin)
+    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=cfg)
     row.setup_s = time.perf_counter() - t0
+    row.fraction = float(eng.config.optimizer.optimizer_offload_fraction)  # "auto" resolved by the plan
+    row.dpu = bool(eng.config.optimizer.delayed_param_update)
     alive = weakref.ref(eng.module)
     data = TokenBatches(tokens, shape.seq, a.micro_batch, a.seed)
     if device.type == "cuda":
@@ -210,9 +246,9 @@ def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu
         rss.append(_rss_bytes())
         if eng.last_step_delayed:
             row.delayed_steps.append(eng.iteration)
-        cpu = getattr(opt, "cpu", None)
-        if cpu is not None and i > a.warmup:  # the previous step's CPU work, finished before this iteration's end
-            cpu_steps.append(cpu.timing["compute_s"])
+        timing = opt.cpu_step_timing()
+        if timing is not None and i > a.warmup:  # the previous step's, with this step's GPU waits for it
+            cpu_steps.append(timing)
     eng.synchronize()
     row.iter_ms = 1e3 * statistics.median(times[a.warmup :])
     row.tokens_per_s = a.global_batch * shape.seq / (row.iter_ms / 1e3)
@@ -220,7 +256,11 @@ def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float, dpu
     row.peak_gpu_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     row.host_engine_bytes = eng.host_bytes()
     row.host_rss_bytes = max(rss)
-    row.cpu_step_ms = 1e3 * statistics.median(cpu_steps) if cpu_steps else None
+    if cpu_steps:
+        med = lambda key: 1e3 * statistics.median(t[key] for t in cpu_steps)  # noqa: E731
+        row.cpu_step_ms, row.speculated_ms, row.gpu_wait_ms = med("compute_s"), med("speculated_s"), med("gpu_wait_s")
+        row.guesses = f"{sum(t['committed'] for t in cpu_steps):.0f}/{sum(t['speculated'] for t in cpu_steps):.0f}"
+        row.hidden_ms = max(0.0, row.cpu_step_ms - row.gpu_wait_ms)
     if hasattr(opt, "close"):
         opt.close()  # its hooks on the model hold it, and its threads and host buffers
     del eng, opt, data
@@ -238,7 +278,6 @@ def _hidden(rows: list[Row], fit: Row, fit_shape: Shape, shape: Shape) -> None:
         r.vs_fit = r.tflops / fit.tflops
         if r.cpu_step_ms is not None:
             r.exposed_ms = max(0.0, r.iter_ms - fit.iter_ms * scale)
-            r.hidden_ms = min(r.cpu_step_ms, max(0.0, r.cpu_step_ms - r.exposed_ms))
 
 
 def _count(n: int) -> str:
@@ -251,20 +290,23 @@ def _gib(n: int | None) -> str:
 
 def table(rows: list[Row]) -> str:
     out = ["| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit | peak GPU | host (engine) | host RSS "
-           "| CPU step | exposed | hidden | loss first -> last |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| CPU step | before clip (guesses used) | GPU waited | hidden | exposed | loss first -> last |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        head = f"| {r.name} | {r.layers} | {_count(r.params)} | {r.fraction} |"
+        f = f"{r.fraction:.2f}" if isinstance(r.fraction, float) else r.fraction
+        head = f"| {r.name} | {r.layers} | {_count(r.params)} | {f} |"
         if r.unavailable:
             out.append(f"{head} not available: {r.unavailable} |")
             continue
         ms = lambda x: "-" if x is None else f"{x:.0f} ms"  # noqa: E731
         hid = ms(r.hidden_ms) + (f" ({r.hidden_ms / r.cpu_step_ms:.0%})" if r.hidden_ms is not None and
                                  r.cpu_step_ms else "")  # fmt: skip
+        spec = "-" if r.speculated_ms is None else f"{r.speculated_ms:.0f} ms ({r.guesses})"
         out.append(f"{head} {r.iter_ms:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.4g} | "
                    f"{'-' if r.vs_fit is None else f'{r.vs_fit:.0%}'} | {_gib(r.peak_gpu_bytes)} | "
-                   f"{_gib(r.host_engine_bytes)} | {_gib(r.host_rss_bytes)} | {ms(r.cpu_step_ms)} | "
-                   f"{ms(r.exposed_ms)} | {hid} | {r.losses[0]:.4f} -> {r.losses[-1]:.4f} |")  # fmt: skip
+                   f"{_gib(r.host_engine_bytes)} | {_gib(r.host_rss_bytes)} | {ms(r.cpu_step_ms)} | {spec} | "
+                   f"{ms(r.gpu_wait_ms)} | {hid} | {ms(r.exposed_ms)} | "
+                   f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f} |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -290,15 +332,24 @@ def parser() -> argparse.ArgumentParser:
                     help="optimizer.cpu_optimizer_pin_threads; both: the exact row once unpinned, once pinned")
     ap.add_argument("--data-bytes", type=int, default=16 << 20, help="stdlib bytes to draw windows from")
     ap.add_argument("--json", default=None, help="write the rows and the formula here as JSON")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every row, e.g. optimizer.accumulate_allreduce_grads_in_fp32=false")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="one more row of the deep shape with these overrides, e.g. "
+                         "unclipped:optimizer.clip_grad=0 or auto:optimizer.optimizer_offload_fraction=auto")
     return ap
 
 
 def main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
+    a.set = _assignments(",".join(a.set), "--set")
+    variants = [_variant(v) for v in a.variant]
     heads = a.heads or max(1, a.hidden // 128)
     fit_shape = Shape(a.layers_fit, a.hidden, heads, a.seq)
     shape = Shape(a.layers, a.hidden, heads, a.seq)
     fraction = resolve_fraction(a, shape)
+    if a.fraction == "auto":  # each row's plan decides (the delayed update's GPU shadow may need a larger fraction)
+        fraction = "auto"
     tokens = stdlib_bytes(a.data_bytes)
     fpt = shape.flops_per_token()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)"
@@ -312,14 +363,22 @@ def main(argv: list[str]) -> int:
     if a.pin_threads == "both":
         plan.append(("exact+pin", shape, fraction, False, True))
     plan.append(("dpu", shape, fraction, True, pin))
-    for name, shp, f, dpu, pinned in plan:
-        if name.split("+")[0] not in wanted:
-            continue
+    plan = [(*p, {}) for p in plan if p[0].split("+")[0] in wanted]
+    plan += [(name, shape, fraction, False, pin, over) for name, over in variants]
+    for name, shp, f, dpu, pinned, over in plan:
         why = dpu_unavailable(a, shp, f) if dpu else None
         if why:
             row = Row(name, shp.layers, shp.params(), f, dpu, pinned, unavailable=why)
         else:
-            row = run_row(a, name, shp, f, dpu, tokens, pin=pinned)
+            try:
+                row = run_row(a, name, shp, f, dpu, tokens, pin=pinned, overrides=over)
+            except (ConfigError, ValueError, torch.OutOfMemoryError) as e:  # the plan's refusal, or CUDA's
+                row = Row(name, shp.layers, shp.params(), f, dpu, pinned, overrides=over,
+                          unavailable=str(e).splitlines()[0])  # fmt: skip
+        if row.unavailable:
+            _empty_caches()  # after the except block: its traceback held the failed row's model
+            print(f"  {name}: not available: {row.unavailable}", flush=True)
+        else:
             print(f"  done {name}: {row.iter_ms:.1f} ms/iter, setup {row.setup_s:.1f} s, "
                   f"{len(row.delayed_steps)} delayed steps, losses "
                   + " ".join(f"{x:.3f}" for x in row.losses), flush=True)  # fmt: skip
@@ -333,8 +392,10 @@ def main(argv: list[str]) -> int:
         f = s.flops_per_token()
         print(f"  L={s.layers}: N={s.matmul_params():,} -> {f['dense']:.4g} + {f['attention']:.4g} = "
               f"{f['total']:.4g} FLOPs/token (causal-counted: {f['causal_total']:.4g})")  # fmt: skip
-    print("hidden = CPU step - exposed; exposed = ms/iter - the fit row's ms/iter x the FLOP ratio "
-          f"({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})")
+    print("hidden = CPU step - GPU waited (CUDA events at each CPU-stepped unit's wait); exposed = ms/iter - the fit "
+          f"row's ms/iter x the FLOP ratio ({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})")
+    for name, over in variants:
+        print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in over.items()))
     print()
     print(table(rows))
     print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())

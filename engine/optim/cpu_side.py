@@ -76,6 +76,30 @@ class Guess:
 
 
 @dataclass
+class StepTiming:
+    """One CPU step, measured where it runs (seconds; host clocks on the driver thread, CUDA events on the GPU).
+
+    speculated_s  arithmetic done before the clip factor was known (units stepped out of place during backward)
+    compute_s     all arithmetic of the step, speculated_s included
+    run_s         from the clip factor's arrival (Go) to the last unit's update written
+    gpu_wait_s    how long the GPU's compute stream stood at a CPU-stepped unit waiting for this update (the
+                  next forward's pre-hooks, or a delayed update landing): the part of the step not hidden
+    speculated, committed, assisted: units guessed during backward, guesses used, units the GPU assist stepped
+    """
+
+    speculated_s: float = 0.0
+    compute_s: float = 0.0
+    run_s: float = 0.0
+    gpu_wait_s: float = 0.0
+    speculated: int = 0
+    committed: int = 0
+    assisted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
 class _Step:
     """What the workers of one step share: the Go message, the guesses, and the queue of units."""
 
@@ -83,6 +107,7 @@ class _Step:
     guesses: dict[str, Guess]
     units: deque[str]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    committed: int = 0
 
     def take(self) -> str | None:
         with self.lock:
@@ -91,6 +116,11 @@ class _Step:
     def take_guess(self, unit: str) -> Guess | None:
         with self.lock:
             return self.guesses.pop(unit, None)
+
+
+def _timing_event() -> torch.cuda.Event:
+    """A timing event recorded on the current stream now."""
+    return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
 
 
 class CpuPart:
@@ -167,9 +197,10 @@ class CpuPart:
         self.copies = Transfers(self.cuda, list(self.units))
         self.shipped: dict[str, torch.Tensor] = {}
         self.dest: dict[str, torch.Tensor] = {}  # launch's: where updated weights go instead of the parameters
-        # the last step: whole driver run, the arithmetic alone, units stepped out of place during backward (committed
-        # or not), units the GPU assist stepped
-        self.timing = {"run_s": 0.0, "compute_s": 0.0, "speculated": 0, "assisted": 0}
+        # the last finished step (StepTiming's fields); the GPU's waits are added when the next step launches
+        self.timing: dict[str, float] = StepTiming().as_dict()
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (GPU reached the unit, unit ready)
+        self._last = StepTiming()
         self.assist: GpuAssist | None = None
         self.assist_thread: ThreadPoolExecutor | None = None
         if gpu_assist:
@@ -226,7 +257,8 @@ class CpuPart:
         bwd_done = self.copies.backward_done()
         for e in self.ready.values():
             e.clear()
-        self._open_step()
+        self._open_step()  # the last step's driver job has finished: its timing is final but for the GPU's waits
+        self._settle_waits()
         shipped, self.shipped = self.shipped, {}
         self.go.set()  # the driver stops speculating at the next unit boundary
         self.q.put(Go(shipped, hypers, inv_scale, coef, bwd_done))
@@ -242,9 +274,22 @@ class CpuPart:
             self.open = False
 
     def wait_unit(self, unit: str) -> None:
+        """The compute stream waits for the unit's update (a host wait first while the driver has not written it)."""
+        timed = self.cuda and not (self.ready[unit].is_set() and self.copies.h2d_event[unit] is None)
+        reached = _timing_event() if timed else None
         if not self.ready[unit].is_set():
             self.ready[unit].wait()
         self.copies.wait_unit(unit)
+        if reached is not None:
+            self._stalls.append((reached, _timing_event()))
+
+    def _settle_waits(self) -> None:
+        """Add the GPU's waits for the last finished update to its timing (their events are past by now: the
+        step's synchronisation came after the backward that followed them)."""
+        if self._stalls:
+            self._last.gpu_wait_s += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+            self._stalls = []
+            self.timing = self._last.as_dict()
 
     def wait_job(self) -> None:
         if self.job is not None:
@@ -285,7 +330,7 @@ class CpuPart:
                     compute += time.perf_counter() - t
                     guesses[msg.unit] = guess
             t_run = time.perf_counter()
-            n_speculated = len(guesses)
+            n_speculated, speculated_s = len(guesses), compute
             # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist
             step = _Step(msg, guesses, deque(self.units))
             assisted = self.assist_thread.submit(self._assist_units, step) if self.assist_thread else None
@@ -296,8 +341,9 @@ class CpuPart:
                 self.assist.drain()  # host states are final before the next step or a state_dict reads them
             for g in step.guesses.values():  # guesses for units with nothing to step
                 self.host.spares.give_back(g.spare)
-            self.timing = {"run_s": time.perf_counter() - t_run, "compute_s": compute, "speculated": n_speculated,
-                           "assisted": n_assisted}  # fmt: skip
+            self._last = StepTiming(speculated_s, compute, time.perf_counter() - t_run, 0.0, n_speculated,
+                                    step.committed, n_assisted)  # fmt: skip
+            self.timing = self._last.as_dict()
         finally:
             for e in self.ready.values():
                 e.set()
@@ -328,6 +374,8 @@ class CpuPart:
         ok = (go.coef == 1.0 and go.inv_scale == 1.0 and set(guess.hypers) == set(todo)
               and all(h == go.hypers[self.group_of[n]] for n, h in guess.hypers.items()))  # fmt: skip
         if ok:
+            with step.lock:
+                step.committed += 1
             self.host.commit(unit, guess.spare)  # the spare's bank is the unit's now, its old bank the spare's
             half = guess.spare.half
             src = self.host.half_views(half, unit) if half is not None else self._masters(todo)

@@ -139,6 +139,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def host_bytes(self) -> int:
         return self.inner.host_bytes()
 
+    def cpu_step_timing(self) -> dict[str, float] | None:
+        return self.inner.cpu_step_timing()  # this rank's CPU step
+
     def comm_hook(self) -> Callable:
         """`ddp_comm_hook`: each gradient reduced to its owner (EngineOptimizer)."""
         return self.ddp_comm_hook

@@ -430,3 +430,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def comm_hook(self) -> None:
         """DDP's all-reduce serves it (EngineOptimizer)."""
         return None
+
+    def cpu_step_timing(self) -> dict[str, float] | None:
+        """The last finished CPU step's timing (cpu_side.StepTiming), or None with nothing stepped on the CPU."""
+        return dict(self.cpu.timing) if self.cpu is not None else None

@@ -68,6 +68,11 @@ class EngineOptimizer(Protocol):
         for DDP's all-reduce."""
         ...
 
+    def cpu_step_timing(self) -> dict[str, float] | None:
+        """The last finished CPU step's timing (engine.optim.cpu_side.StepTiming's fields), or None when nothing
+        is stepped on the CPU."""
+        ...
+
 
 class Decision(NamedTuple):
     """The step's decision, on the host: `norm` of the unscaled gradients before clipping, the `coef` clipping
@@ -161,6 +166,9 @@ class TorchOptimizer:
         return 0
 
     def comm_hook(self) -> Callable | None:
+        return None
+
+    def cpu_step_timing(self) -> None:
         return None
 
 
