@@ -324,10 +324,9 @@ class CpuPart:
                     break
                 if self.go.is_set():
                     continue  # the clip factor is known: no more guessing
-                t = time.perf_counter()
-                guess = self._speculate(msg)
+                guess, seconds = self._speculate(msg)
+                compute += seconds
                 if guess is not None:
-                    compute += time.perf_counter() - t
                     guesses[msg.unit] = guess
             t_run = time.perf_counter()
             n_speculated, speculated_s = len(guesses), compute
@@ -348,14 +347,16 @@ class CpuPart:
             for e in self.ready.values():
                 e.set()
 
-    def _speculate(self, msg: Speculate) -> Guess | None:
-        """Step msg.unit out of place into a free spare, as if unclipped; None when no spare is free."""
+    def _speculate(self, msg: Speculate) -> tuple[Guess | None, float]:
+        """Step msg.unit out of place into a free spare, as if unclipped; None when no spare is free. Also returns
+        the seconds of arithmetic (the wait for the unit's gradients to arrive is not arithmetic)."""
         spare = self.host.spares.take(self.layout.numel[msg.unit])
         if spare is None:
-            return None
+            return None, 0.0
         hypers = self.hyper_source()
         names = self.units[msg.unit]  # a unit is speculated only once all of its gradients are shipped
         self.copies.wait_d2h(names)
+        t = time.perf_counter()
         out = self.host.spare_views(spare, msg.unit)
         half = self.host.half_views(spare.half, msg.unit) if spare.half is not None else None
         self._step_fused([
@@ -363,7 +364,7 @@ class CpuPart:
                        adamw_scalars(hypers[self.group_of[n]], self.host.steps[n] + 1, 1.0, 1.0))
             for n in names
         ])  # fmt: skip
-        return Guess(spare, {n: hypers[self.group_of[n]] for n in names})
+        return Guess(spare, {n: hypers[self.group_of[n]] for n in names}), time.perf_counter() - t
 
     def _commit(self, unit: str, todo: list[str], step: _Step) -> bool:
         """Commit the unit's guess if it is the step the clip factor asks for (then upload); give back its spare."""
