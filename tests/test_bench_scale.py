@@ -62,3 +62,36 @@ def test_each_model_is_freed_before_the_next(monkeypatch):
     monkeypatch.setattr(scale, "_model", keep)
     with pytest.raises(RuntimeError, match="still referenced"):
         scale.main([*TINY, "--rows", "fit"])
+
+
+def test_variants_overrides_and_refusals_as_rows(tmp_path, capsys):
+    """--set reaches every row, a --variant is one more row of the deep shape with its overrides (its fraction
+    read back from the engine), and a config the engine refuses is a row saying why, not a crash."""
+    out = tmp_path / "scale.json"
+    argv = [*TINY, "--rows", "fit,exact", "--json", str(out), "--set", "optimizer.adam_beta2=0.99",
+            "--variant", "half:optimizer.optimizer_offload_fraction=0.5,optimizer.clip_grad=0",
+            "--variant", "refused:optimizer.delayed_param_update=true,optimizer.cpu_offload_gpu_assist=true"]  # fmt: skip
+    assert scale.main(argv) == 0
+    rows = {r["name"]: r for r in json.load(open(out))["rows"]}
+    assert list(rows) == ["fit", "exact", "half", "refused"]
+    assert rows["exact"]["fraction"] == 0.3 and rows["half"]["fraction"] == 0.5
+    assert rows["half"]["overrides"] == {"optimizer.optimizer_offload_fraction": 0.5, "optimizer.clip_grad": 0}
+    assert rows["half"]["losses"] != rows["exact"]["losses"]  # unclipped at another fraction: another run
+    assert rows["refused"]["unavailable"] and "gpu_assist" in rows["refused"]["unavailable"]
+    assert "half: optimizer.optimizer_offload_fraction=0.5, optimizer.clip_grad=0" in capsys.readouterr().out
+    cfg = scale._config(scale.parse_args(argv), scale.Shape(2, 32, 4, 16), 0.3, False)
+    assert cfg["optimizer"]["adam_beta2"] == 0.99 and cfg["optimizer"]["clip_grad"] == 1.0  # --set: every row
+
+
+@pytest.mark.parametrize("bad", [["--set", "clip_grad=0"], ["--set", "optimizer.clip_grad"], ["--variant", "x"]])
+def test_malformed_overrides_are_one_line(bad):
+    with pytest.raises(SystemExit, match="expected"):
+        scale.main([*TINY, *bad])
+
+
+def test_auto_fraction_is_resolved_per_row(tmp_path):
+    """--fraction auto: each row's engine asks the plan, and the row records the fraction it chose."""
+    out = tmp_path / "scale.json"
+    assert scale.main([*TINY, "--rows", "exact", "--fraction", "auto", "--json", str(out)]) == 0
+    (row,) = json.load(open(out))["rows"]
+    assert isinstance(row["fraction"], float) and 0.0 <= row["fraction"] <= 1.0

@@ -337,3 +337,21 @@ def test_gpu_assist_needs_the_engine_adamw():
     with pytest.raises(ValueError, match="gpu_assist=True works with the engine's own AdamW only"):
         HybridDeviceOptimizer(tiny_gpt().named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
                               gpu_assist=True)._build()  # fmt: skip
+
+
+def test_step_timing_counts_guesses_commits_and_arithmetic():
+    """StepTiming of the last step: every unit guessed during backward and, unclipped, committed; the guessing is
+    part of the arithmetic; nothing waits on a GPU without CUDA. Clipped, the guesses are made and none is used."""
+    _, opt = _speculating_run(0.5, batches(3, micro=2))
+    t, n = opt.cpu_step_timing(), len(opt.cpu.units)
+    assert t["speculated"] == t["committed"] == n
+    assert 0 < t["speculated_s"] <= t["compute_s"] and t["gpu_wait_s"] == 0.0
+    model = tiny_gpt()
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=0.5,
+                                overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    opt.attach_model(model)
+    opt.cpu.go = _NeverGo()
+    run_hybrid(model, batches(1, micro=1), max_norm=1e-3, opt=opt)
+    t = opt.cpu_step_timing()
+    assert t["speculated"] == n and t["committed"] == 0
+    assert HybridDeviceOptimizer(groups(tiny_gpt(), 0.1, named=True), **HP).cpu_step_timing() is None

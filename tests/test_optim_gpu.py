@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -152,3 +153,31 @@ def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
     for a, b in zip(gpu, cpu, strict=True):
         assert torch.equal(a.cpu(), b)
     assert torch.equal(gpu[0].to(torch.bfloat16).cpu(), half)
+
+
+def test_gpu_wait_covers_a_slow_cpu_step(monkeypatch):
+    """The GPU's waits at CPU-stepped units (CUDA events around each forward pre-hook's wait) measure a CPU step
+    slowed on purpose: the tiny model's GPU work is a few ms, so the GPU stands still for most of the sleep."""
+    from engine.optim import cpu_side
+
+    sleep_s = 0.05
+    step_fused, settle = cpu_side.CpuPart._step_fused, cpu_side.CpuPart._settle_waits
+    waits: list[float] = []
+
+    def slow(self, *a, **kw):
+        time.sleep(sleep_s)
+        return step_fused(self, *a, **kw)
+
+    def spy(self):
+        settle(self)
+        waits.append(self.timing["gpu_wait_s"])
+
+    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
+    monkeypatch.setattr(cpu_side.CpuPart, "_settle_waits", spy)
+    model = tiny_gpt(device="cuda")
+    _, opt = run_hybrid(model, batches(4, micro=1, device="cuda"), max_norm=0.0, offload_fraction=1.0,
+                        overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    units = len(opt.cpu.units)
+    assert len(waits) == 4 and waits[0] == 0.0  # the first launch has no earlier update to have waited for
+    for w in waits[1:]:
+        assert 0.5 * units * sleep_s <= w <= 3 * units * sleep_s, (w, units)

@@ -7,7 +7,7 @@
 #   13b  hidden 5120, 16-layer twin against 40 layers (12.6 B) at the plan's fraction, global batch 32 (65,536 tokens
 #        per step), bf16 gradient accumulation in every row (the 13 B model fits only so), exact and delayed
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
-#   tools/overlap_gpu.sh [WHEEL_DIR=.whl] [PART=8b|8b-assist|13b] [extra bin/bench scale args...]
+#   tools/overlap_gpu.sh [WHEEL_DIR=.whl] [PART=8b|8b-assist|8b-tune|13b] [extra bin/bench scale args...]
 set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; PART=${2:-8b}; shift 2 || true
@@ -26,9 +26,15 @@ case $PART in
       --variant "assist:optimizer.cpu_offload_gpu_assist=true" \
       --variant "unclipped+nospec:optimizer.clip_grad=0,optimizer.speculation_buffer_mb=0" \
       --variant "unclipped:optimizer.clip_grad=0" "$@" 2>&1 | tee "$OUT/scale_8b_assist.log" ;;
+  8b-tune)  # the exact step with the GPU assist and fewer CPU threads (the assist's copies need host DRAM too)
+    timeout 240 python3 bin/bench scale --iters 6 --warmup 2 --rows fit,exact --json "$OUT/scale_8b_tune.json" \
+      --variant "assist:optimizer.cpu_offload_gpu_assist=true" \
+      --variant "assist+t12:optimizer.cpu_offload_gpu_assist=true,optimizer.cpu_optimizer_threads=12" \
+      --variant "assist+t8:optimizer.cpu_offload_gpu_assist=true,optimizer.cpu_optimizer_threads=8" \
+      "$@" 2>&1 | tee "$OUT/scale_8b_tune.log" ;;
   13b)
     timeout 420 python3 bin/bench scale --hidden 5120 --layers-fit 16 --layers 40 --global-batch 32 --fraction auto \
       --iters 3 --warmup 2 --set optimizer.accumulate_allreduce_grads_in_fp32=false --json "$OUT/scale_13b.json" \
       "$@" 2>&1 | tee "$OUT/scale_13b.log" ;;
-  *) echo "PART must be 8b, 8b-assist or 13b, got $PART"; exit 2 ;;
+  *) echo "PART must be 8b, 8b-assist, 8b-tune or 13b, got $PART"; exit 2 ;;
 esac

@@ -340,10 +340,17 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed flags, --set as {"namespace.key": value} and --variant as [(name, overrides)]."""
     a = parser().parse_args(argv)
     a.set = _assignments(",".join(a.set), "--set")
-    variants = [_variant(v) for v in a.variant]
+    a.variant = [_variant(v) for v in a.variant]
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    variants = a.variant
     heads = a.heads or max(1, a.hidden // 128)
     fit_shape = Shape(a.layers_fit, a.hidden, heads, a.seq)
     shape = Shape(a.layers, a.hidden, heads, a.seq)
