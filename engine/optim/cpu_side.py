@@ -17,6 +17,8 @@ Lifecycle of one step for the parameters it owns:
                      released in the C call). Then the unit's weights go to the GPU on the H2D stream.
   wait_unit(unit)    main thread, from the unit's forward pre-hook: the next forward waits for the
                      layer it is about to run, and only on the GPU (an event wait), not on the host.
+                     Timing events around that wait measure how long the GPU stood still for the update
+                     (StepTiming.gpu_wait_s, added to the step's timing when the next step launches).
 Messages to the driver are the dataclasses Speculate, Go and Stop. Without CUDA the copies are plain host
 copies and events are absent; the code path is the same.
 """
