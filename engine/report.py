@@ -8,14 +8,9 @@ at most `min_bytes` (64 KiB by default) stay on the device, so a tiny model offl
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from engine.metrics import format_bytes
 from engine.offload.wrap import OffloadHandle
-
-_HALF = (torch.bfloat16, torch.float16)
+from engine.optim.protocol import EngineOptimizer
 
 
 def stack_lines(handle: OffloadHandle | None, forwards_per_step: int = 1, what: str = "layers") -> list[str]:
@@ -52,23 +47,14 @@ def stack_lines(handle: OffloadHandle | None, forwards_per_step: int = 1, what: 
     return lines
 
 
-def optimizer_lines(optimizer: Any, micro_batches: int = 1) -> list[str]:
-    """One line for a HybridDeviceOptimizer (also inside the distributed optimizer) that steps parameters on
-    the CPU: their share, the GPU bytes their master weights and states no longer take, the bytes per step."""
-    hybrid = getattr(optimizer, "inner", optimizer)
-    names = getattr(hybrid, "cpu_names", None)
-    if not names:
+def optimizer_lines(optimizer: EngineOptimizer, micro_batches: int = 1) -> list[str]:
+    """One line for an optimizer that steps parameters on the CPU (EngineOptimizer.cpu_offload); [] otherwise."""
+    c = optimizer.cpu_offload(micro_batches)
+    if c is None:
         return []
-    params = [hybrid.params_by_name[n] for n in names]
-    total = sum(p.numel() for p in hybrid.params_by_name.values())
-    numel = sum(p.numel() for p in params)
-    per_state = {"adam": 8, "sgd": 4}.get(getattr(hybrid, "kind", "adam"), 8)
-    saved = sum(p.numel() * (per_state + (4 if p.dtype in _HALF else 0)) for p in params)  # states + fp32 master
-    fp32_sums = micro_batches > 1 and getattr(hybrid, "accumulate_grads_in_fp32", False)
-    moved = sum(p.numel() * ((4 if fp32_sums and p.dtype in _HALF else p.element_size()) + p.element_size())
-                for p in params)  # fmt: skip
     return [
-        f"optimizer offload: {numel:,} of {total:,} parameters ({100.0 * numel / max(1, total):.1f}%) stepped on "
-        f"the CPU: {format_bytes(saved)} of master weights and optimizer states off the GPU, "
-        f"{format_bytes(moved)} per step (gradients to the host, weights back)"
+        f"optimizer offload: {c.cpu_params:,} of {c.total_params:,} parameters "
+        f"({100.0 * c.cpu_params / max(1, c.total_params):.1f}%) stepped on the CPU: {format_bytes(c.gpu_bytes_freed)} "
+        f"of master weights and optimizer states off the GPU, {format_bytes(c.bytes_per_step)} per step (gradients "
+        "to the host, weights back)"
     ]

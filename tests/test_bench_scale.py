@@ -70,7 +70,8 @@ def test_variants_overrides_and_refusals_as_rows(tmp_path, capsys):
     out = tmp_path / "scale.json"
     argv = [*TINY, "--rows", "fit,exact", "--json", str(out), "--set", "optimizer.adam_beta2=0.99",
             "--variant", "half:optimizer.optimizer_offload_fraction=0.5,optimizer.clip_grad=0",
-            "--variant", "refused:optimizer.delayed_param_update=true,optimizer.cpu_offload_gpu_assist=true"]  # fmt: skip
+            "--variant",
+            "refused:optimizer.delayed_param_update=true,optimizer.cpu_offload_gpu_assist=true"]  # fmt: skip
     assert scale.main(argv) == 0
     rows = {r["name"]: r for r in json.load(open(out))["rows"]}
     assert list(rows) == ["fit", "exact", "half", "refused"]

@@ -130,3 +130,20 @@ def test_unscale_and_clip_is_clip_grad_norm_bit_for_bit():
     d = unscale_and_clip_(a.parameters(), 0.3, grad_scale=1024.0)
     assert d.ok and d.norm == float(ref)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("dtype,micro,fp32_sums,per_param", [
+    (torch.float32, 1, True, (8, 8)),        # fp32 weights are the masters: states only off the GPU; grad + weight
+    (torch.bfloat16, 2, True, (12, 6)),      # + the fp32 master; the fp32 gradient sum comes down, bf16 goes up
+    (torch.bfloat16, 2, False, (12, 4)),     # bf16 accumulation: bf16 both ways
+    (torch.bfloat16, 1, True, (12, 4)),      # one micro-batch: no fp32 sums
+])  # fmt: skip
+def test_cpu_offload_counts_what_moves(dtype, micro, fp32_sums, per_param):
+    """The summary's figures (EngineOptimizer.cpu_offload), by parameter, against the bytes each part holds."""
+    m = model().to(dtype)
+    opt = HybridDeviceOptimizer(m.named_parameters(), lr=0.1, offload_fraction=1.0, accumulate_grads_in_fp32=fp32_sums)
+    n = sum(p.numel() for p in m.parameters())
+    assert opt.cpu_offload(micro) == (n, n, per_param[0] * n, per_param[1] * n)
+    none = HybridDeviceOptimizer(m.named_parameters(), lr=0.1, offload_fraction=0.0)
+    assert none.cpu_offload(micro) is None and as_engine_optimizer(torch.optim.SGD(m.parameters(), lr=0.1)).cpu_offload(
+        micro) is None  # fmt: skip

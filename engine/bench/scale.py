@@ -320,7 +320,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--fraction", default="0.3",
-                    help='CPU-stepped fraction of the deep model (0.3: the issue\'s table), or "auto": the memory plan\'s')
+                    help='CPU-stepped fraction of the deep model, or "auto": each row\'s memory plan chooses')
     ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     ap.add_argument("--lr", type=float, default=1e-4)

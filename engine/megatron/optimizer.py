@@ -159,6 +159,9 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
     def cpu_step_timing(self) -> None:  # noqa: D102 - megatron's CPU step, when offloaded, is not timed here
         return None
 
+    def cpu_offload(self, micro_batches: int) -> None:  # noqa: D102 - not reported for megatron's optimizer
+        return None
+
     def state_dict(self) -> dict:
         """`inner`'s state dict, loadable with `torch.load(weights_only=True)`: the optimizer classes that
         HybridDeviceOptimizer keeps in its groups are written as their names."""

@@ -45,8 +45,9 @@ class Binding:
     workers: tuple[Core, ...]
 
     def describe(self) -> str:
-        return (f"driver/copy thread on CPU {_ranges(self.driver.cpus)}; worker threads on "
-                f"{len(self.workers)} physical core{'s' if len(self.workers) > 1 else ''}, CPUs {_ranges(c for w in self.workers for c in w.cpus)} "
+        cores = f"{len(self.workers)} physical core{'s' if len(self.workers) > 1 else ''}"
+        cpus = _ranges(c for w in self.workers for c in w.cpus)
+        return (f"driver/copy thread on CPU {_ranges(self.driver.cpus)}; worker threads on {cores}, CPUs {cpus} "
                 f"(NUMA node {self.node} of {self.nodes})")  # fmt: skip
 
 

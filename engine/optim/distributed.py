@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 
 from engine.optim.hybrid import clear_grads
-from engine.optim.protocol import EngineOptimizer, as_engine_optimizer, decide
+from engine.optim.protocol import CpuOffload, EngineOptimizer, as_engine_optimizer, decide
 
 _NOT_HYPER = ("params", "param_names")
 
@@ -141,6 +141,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def cpu_step_timing(self) -> dict[str, float] | None:
         return self.inner.cpu_step_timing()  # this rank's CPU step
+
+    def cpu_offload(self, micro_batches: int) -> CpuOffload | None:
+        return self.inner.cpu_offload(micro_batches)  # this rank's shard
 
     def comm_hook(self) -> Callable:
         """`ddp_comm_hook`: each gradient reduced to its owner (EngineOptimizer)."""

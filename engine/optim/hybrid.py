@@ -43,7 +43,7 @@ from engine.optim.cpu_side import CpuPart
 from engine.optim.delayed import DEFAULT_WARMUP, DelayedUpdate
 from engine.optim.gpu_side import GpuPart
 from engine.optim.partition import forward_order, split_for_offload, unit_of
-from engine.optim.protocol import decide
+from engine.optim.protocol import CpuOffload, decide
 
 STATE_FORMAT = "engine.optim.hybrid/1"
 _HALF = (torch.bfloat16, torch.float16)
@@ -430,6 +430,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def comm_hook(self) -> None:
         """DDP's all-reduce serves it (EngineOptimizer)."""
         return None
+
+    def cpu_offload(self, micro_batches: int) -> CpuOffload | None:
+        """The CPU-stepped share (EngineOptimizer): master (for half weights) and states off the GPU; per step the
+        gradient comes down (fp32 sums with accumulation in fp32 over micro-batches) and the weight goes back."""
+        params = [self.params_by_name[n] for n in self.cpu_names]
+        if not params:
+            return None
+        state_bytes = 8 if self.kind == "adam" else 4  # exp_avg + exp_avg_sq, or the momentum buffer
+        fp32_sums = micro_batches > 1 and self.accumulate_grads_in_fp32
+        freed = sum(p.numel() * (state_bytes + (4 if p.dtype in _HALF else 0)) for p in params)
+        moved = sum(p.numel() * ((4 if fp32_sums and p.dtype in _HALF else p.element_size()) + p.element_size())
+                    for p in params)  # fmt: skip
+        total = sum(p.numel() for p in self.params_by_name.values())
+        return CpuOffload(sum(p.numel() for p in params), total, freed, moved)
 
     def cpu_step_timing(self) -> dict[str, float] | None:
         """The last finished CPU step's timing (cpu_side.StepTiming), or None with nothing stepped on the CPU."""

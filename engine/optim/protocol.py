@@ -73,6 +73,21 @@ class EngineOptimizer(Protocol):
         is stepped on the CPU."""
         ...
 
+    def cpu_offload(self, micro_batches: int) -> CpuOffload | None:
+        """What this optimizer steps on the CPU with `micro_batches` backward passes per step, or None (nothing)."""
+        ...
+
+
+class CpuOffload(NamedTuple):
+    """What an optimizer steps on the CPU, for the run's summary: parameters stepped there out of all of them,
+    the GPU bytes their fp32 master weights and optimizer states no longer take, and the bytes one step copies
+    (gradients to the host, weights back)."""
+
+    cpu_params: int
+    total_params: int
+    gpu_bytes_freed: int
+    bytes_per_step: int
+
 
 class Decision(NamedTuple):
     """The step's decision, on the host: `norm` of the unscaled gradients before clipping, the `coef` clipping
@@ -169,6 +184,9 @@ class TorchOptimizer:
         return None
 
     def cpu_step_timing(self) -> None:
+        return None
+
+    def cpu_offload(self, micro_batches: int) -> None:
         return None
 
 
