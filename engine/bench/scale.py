@@ -168,7 +168,7 @@ def _variant(text: str) -> tuple[str, dict]:
     return name, _assignments(rest, "--variant")
 
 
-def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float) -> str | None:
+def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float | str) -> str | None:
     """Why this checkout cannot run the DPU row (the config's own message), or None when it can."""
     try:
         load_config(_config(a, shape, fraction, True))

@@ -199,16 +199,19 @@ class CpuPart:
         self.copies = Transfers(self.cuda, list(self.units))
         self.shipped: dict[str, torch.Tensor] = {}
         self.dest: dict[str, torch.Tensor] = {}  # launch's: where updated weights go instead of the parameters
-        # the last finished step (StepTiming's fields); the GPU's waits are added when the next step launches
-        self.timing: dict[str, float] = StepTiming().as_dict()
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (GPU reached the unit, unit ready)
-        self._last = StepTiming()
+        self._last = StepTiming()  # the last finished step; the GPU's waits are added when the next step launches
         self.assist: GpuAssist | None = None
         self.assist_thread: ThreadPoolExecutor | None = None
         if gpu_assist:
             device = next(iter(self.params.values())).device
             self.assist = GpuAssist(max(p.numel() for p in self.params.values()), device, host_lib=self.lib)
             self.assist_thread = ThreadPoolExecutor(1, thread_name_prefix="cpu-opt-assist")
+
+    @property
+    def timing(self) -> dict[str, float]:
+        """The last finished step's StepTiming fields (its GPU waits once the next step has launched)."""
+        return self._last.as_dict()
 
     # ---- what the arithmetic runs on (read by tests and tools) ----
     @property
@@ -291,7 +294,6 @@ class CpuPart:
         if self._stalls:
             self._last.gpu_wait_s += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
             self._stalls = []
-            self.timing = self._last.as_dict()
 
     def wait_job(self) -> None:
         if self.job is not None:
@@ -344,7 +346,6 @@ class CpuPart:
                 self.host.spares.give_back(g.spare)
             self._last = StepTiming(speculated_s, compute, time.perf_counter() - t_run, 0.0, n_speculated,
                                     step.committed, n_assisted)  # fmt: skip
-            self.timing = self._last.as_dict()
         finally:
             for e in self.ready.values():
                 e.set()

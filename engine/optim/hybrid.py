@@ -447,4 +447,4 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def cpu_step_timing(self) -> dict[str, float] | None:
         """The last finished CPU step's timing (cpu_side.StepTiming), or None with nothing stepped on the CPU."""
-        return dict(self.cpu.timing) if self.cpu is not None else None
+        return self.cpu.timing if self.cpu is not None else None
