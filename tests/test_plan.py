@@ -190,19 +190,26 @@ def test_more_micro_batches_or_offload_change_the_plan_as_the_code_does():
 # --- activation offloading: the host pool is what the pool really allocates ----------------------------------
 
 
+def _plan_and_pool(cfg, layers: int, apply_offload):
+    """The plan of `cfg` (hidden 100, 4 x 129 tokens) and the offload handle of the same GPT after one backward,
+    whose host pool must be the plan's activation_pool to the byte."""
+    plan = engine.plan(cfg, device="cpu", host_budget_bytes=64 * GIB)
+    torch.manual_seed(0)
+    model = GPT(num_layers=layers, hidden_size=100, num_attention_heads=4, seq_length=129, vocab_size=256)
+    handle = apply_offload(model)
+    tokens = torch.randint(0, 256, (4, 129))
+    gpt_loss(model(tokens), tokens).backward()
+    assert handle.pool_bytes() > 0
+    assert plan.host.parts["activation_pool"] == handle.pool_bytes()
+    return plan, handle
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_activation_pool_equals_the_offload_pools_allocation(k):
     # sizes that are not multiples of the pool's 512-byte rounding: hidden 100, 4 x 129 tokens
     cfg = load_config({}, shape_overrides(layers=3, hidden=100, seq=129, mbs=4, gbs=4) + [
         "train.precision=fp32", "model.cpu_offloading=true", f"model.cpu_offloading_num_layers={k}"])  # fmt: skip
-    plan = engine.plan(cfg, device="cpu", host_budget_bytes=64 * GIB)
-    torch.manual_seed(0)
-    model = GPT(num_layers=3, hidden_size=100, num_attention_heads=4, seq_length=129, vocab_size=256)
-    handle = offload.apply_activation_offloading(model, k)
-    tokens = torch.randint(0, 256, (4, 129))
-    gpt_loss(model(tokens), tokens).backward()
-    assert handle.pool_bytes() > 0
-    assert plan.host.parts["activation_pool"] == handle.pool_bytes()
+    plan, handle = _plan_and_pool(cfg, 3, lambda model: offload.apply_activation_offloading(model, k))
     # on the device an offloaded layer keeps only the storages of <= 64 KiB: here the four LayerNorm statistics
     # [516] and the attention's logsumexp [4, 4, 129], fp32
     keep = plan.layer_activation_bytes - plan.offloaded_layer_bytes
@@ -330,12 +337,5 @@ def test_fine_grained_pool_equals_the_offload_pools_allocation(modules):
     cfg = load_config({}, shape_overrides(layers=2, hidden=100, seq=129, mbs=4, gbs=4) + [
         "train.precision=fp32", "model.fine_grained_activation_offloading=true",
         f"model.offload_modules={json.dumps(modules)}"])  # fmt: skip
-    plan = engine.plan(cfg, device="cpu", host_budget_bytes=64 * GIB)
-    torch.manual_seed(0)
-    model = GPT(num_layers=2, hidden_size=100, num_attention_heads=4, seq_length=129, vocab_size=256)
-    handle = offload.apply_fine_grained_offloading(model, modules)
-    tokens = torch.randint(0, 256, (4, 129))
-    gpt_loss(model(tokens), tokens).backward()
-    assert handle.pool_bytes() > 0
-    assert plan.host.parts["activation_pool"] == handle.pool_bytes()
+    _, handle = _plan_and_pool(cfg, 2, lambda model: offload.apply_fine_grained_offloading(model, modules))
     handle.remove()
