@@ -366,7 +366,8 @@ def load(directory: str | os.PathLike, key: str = "checkpoint.load") -> dict[str
     try:
         return torch.load(folder / STATE, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {folder / STATE} (iteration {iteration}): cannot load it: {_readable(e)}")
+        message = f"checkpoint {folder / STATE} (iteration {iteration}): cannot load it: {_readable(e)}"
+        raise CheckpointError(message) from e
 
 
 def latest_folder(directory: str | os.PathLike) -> Path | None:

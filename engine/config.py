@@ -43,7 +43,8 @@ def _annotation(prop: dict[str, Any]) -> Any:
         atoms = [Literal[values]] + ([NoneType] if None in prop["enum"] else [])
     else:
         names = [prop["type"]] if isinstance(prop["type"], str) else prop["type"]
-        atoms = [tuple[_SCALARS[prop["items"]["type"]], ...] if n == "array" else _SCALARS[n] for n in names]
+        element = _SCALARS[prop["items"]["type"]] if "array" in names else None
+        atoms = [tuple[element, ...] if n == "array" else _SCALARS[n] for n in names]
     return functools.reduce(operator.or_, atoms)
 
 
@@ -297,7 +298,7 @@ def _expected(error: Any, path: list[str | int]) -> str:
         return f"{leaf} must be {bounds[kind]} {limit}"
     if kind == "pattern" and limit.startswith("^") and limit.endswith("$"):  # a number or a word ("auto")
         kinds = [t for t in ([spec["type"]] if isinstance(spec["type"], str) else spec["type"]) if t != "string"]
-        return f"expected {' or '.join(kinds)} or \"{limit[1:-1]}\""
+        return f'expected {" or ".join(kinds)} or "{limit[1:-1]}"'
     if kind == "minLength":
         return "expected a non-empty string"
     if kind == "uniqueItems":

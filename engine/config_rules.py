@@ -78,17 +78,24 @@ def _offloaded_layer_count(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         yield Problem("model.cpu_offloading_num_layers", why)
 
 
-@_rule("model.cpu_offloading", "model.cpu_offloading_num_layers", "optimizer.optimizer_cpu_offload",
-       "optimizer.optimizer_offload_fraction")
+@_rule(
+    "model.cpu_offloading",
+    "model.cpu_offloading_num_layers",
+    "optimizer.optimizer_cpu_offload",
+    "optimizer.optimizer_offload_fraction",
+)
 def _auto_needs_its_switch(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     # "auto" is resolved by the memory plan in initialize; it chooses among what the switch turns on
     if c.model.cpu_offloading_num_layers == "auto" and not c.model.cpu_offloading:
-        yield Problem("model.cpu_offloading_num_layers",
-                      'is chosen by the memory plan only with model.cpu_offloading=true; set it, or give a number')
+        yield Problem(
+            "model.cpu_offloading_num_layers",
+            "is chosen by the memory plan only with model.cpu_offloading=true; set it, or give a number",
+        )
     if c.optimizer.optimizer_offload_fraction == "auto" and not c.optimizer.optimizer_cpu_offload:
-        yield Problem("optimizer.optimizer_offload_fraction",
-                      "is chosen by the memory plan only with optimizer.optimizer_cpu_offload=true; set it, or give "
-                      "a number")
+        yield Problem(
+            "optimizer.optimizer_offload_fraction",
+            "is chosen by the memory plan only with optimizer.optimizer_cpu_offload=true; set it, or give a number",
+        )
 
 
 @_rule("model.cpu_offloading", "model.pipeline_model_parallel_size")
@@ -339,13 +346,20 @@ def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         )
 
 
-@_rule("checkpoint.save", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.load",
-       "checkpoint.load_if_exists")
+@_rule(
+    "checkpoint.save",
+    "checkpoint.save_interval",
+    "checkpoint.keep_last",
+    "checkpoint.load",
+    "checkpoint.load_if_exists",
+)
 def _checkpoint_keys_need_their_folder(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     k = c.checkpoint
-    for key, needs, used in (("save_interval", "save", k.save_interval is not None),
-                             ("keep_last", "save", k.keep_last is not None),
-                             ("load_if_exists", "load", k.load_if_exists)):
+    for key, needs, used in (
+        ("save_interval", "save", k.save_interval is not None),
+        ("keep_last", "save", k.keep_last is not None),
+        ("load_if_exists", "load", k.load_if_exists),
+    ):
         if used and getattr(k, needs) is None:
             yield Problem(f"checkpoint.{key}", f"acts only with checkpoint.{needs} set; set checkpoint.{needs} "
                                                f"or unset checkpoint.{key}")  # fmt: skip

@@ -54,8 +54,7 @@ def acquire(path: str | os.PathLike, key: str, *, directory: bool) -> str:
         holder = _holder(fd)
         os.close(fd)
         raise LockedError(
-            f"{key}={str(path)!r} is in use by another run ({holder}); wait for it to finish, "
-            f"or set a different {key}"
+            f"{key}={str(path)!r} is in use by another run ({holder}); wait for it to finish, or set a different {key}"
         ) from None
     except BaseException:
         os.close(fd)

@@ -125,9 +125,15 @@ class MetricsLog:
             f"{statistics.median(x['tokens_per_s'] for x in r):,.0f} tokens/s, "
             f"peak memory {format_bytes(max(x['peak_memory_bytes'] for x in r))}, "
             f"host offload {format_bytes(max(x['host_offload_bytes'] for x in r))}"
-            + (f" (activations {format_bytes(activations)} at the end of forward, not held on the device then)"
-               if activations else "")  # fmt: skip
-            + (f", peak host RSS {format_bytes(r[-1]['peak_host_rss_bytes'])}"
-               if "peak_host_rss_bytes" in r[-1] else "")  # fmt: skip
+            + (
+                f" (activations {format_bytes(activations)} at the end of forward, not held on the device then)"
+                if activations
+                else ""
+            )  # fmt: skip
+            + (
+                f", peak host RSS {format_bytes(r[-1]['peak_host_rss_bytes'])}"
+                if "peak_host_rss_bytes" in r[-1]
+                else ""
+            )  # fmt: skip
             + (f", metrics in {self.path}" if self.path else "")
         )

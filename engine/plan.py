@@ -95,8 +95,10 @@ def resolve(p: Planner) -> Plan:
     """The plan at the config's values, "auto" ones chosen."""
     fraction = p.cfg.optimizer.optimizer_offload_fraction
     layers = p.cfg.model.cpu_offloading_num_layers
-    auto = {"optimizer.optimizer_offload_fraction": fraction == "auto",
-            "model.cpu_offloading_num_layers": layers == "auto"}
+    auto = {
+        "optimizer.optimizer_offload_fraction": fraction == "auto",
+        "model.cpu_offloading_num_layers": layers == "auto",
+    }
     if any(auto.values()):
         chosen = p.resolve(fraction, layers)
     else:
@@ -127,8 +129,10 @@ def _offload_lines(p: Plan, s: Any = None) -> list[str]:
     if not k:
         return []
     if not p.offloaded_layer_bytes:
-        return [f"  activation offload: {k} layers wrapped, but nothing moves: every storage they save is at most "
-                f"{DEFAULT_MIN_BYTES} bytes (offload.DEFAULT_MIN_BYTES) or a parameter, so it stays on the device"]
+        return [
+            f"  activation offload: {k} layers wrapped, but nothing moves: every storage they save is at most "
+            f"{DEFAULT_MIN_BYTES} bytes (offload.DEFAULT_MIN_BYTES) or a parameter, so it stays on the device"
+        ]
     per_step = k * p.offloaded_layer_bytes * (s.micro_batches if s is not None else 1)
     return [f"  activation offload: {k} layers move {per_step / 2**30:.2f} GiB to the host and back per step, "
             f"{k * p.offloaded_layer_bytes / 2**30:.2f} GiB off the GPU by the end of forward"]  # fmt: skip
@@ -158,4 +162,3 @@ def format_plan(p: Plan, s: Any = None) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines.append(f"fits: {'yes' if p.fits else 'no'}")
     return "\n".join(lines)
-

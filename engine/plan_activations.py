@@ -229,7 +229,7 @@ def measure_layer_once(
     handles.append(layer.register_forward_hook(stop))
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), (autocast or contextlib.nullcontext()):
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast or contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 model(*make_input(1, seq, device))
     except _Stop:

@@ -76,9 +76,16 @@ class Census:
         keep = [(n, p) for n, p in self.named if self.layer_of[n] is None or self.layer_of[n] < layers]
         acts = replace(self.activations, layers=self.activations.layers[:layers])
         weights = self.weight_bytes - (self.n_layers - layers) * weight_bytes_per_layer
-        return Census(named=keep, layer_of={n: self.layer_of[n] for n, _ in keep}, n_layers=layers,
-                      activations=acts, weight_bytes=weights, builtin=self.builtin,
-                      host_model_bytes=self.host_model_bytes, notes=self.notes)
+        return Census(
+            named=keep,
+            layer_of={n: self.layer_of[n] for n, _ in keep},
+            n_layers=layers,
+            activations=acts,
+            weight_bytes=weights,
+            builtin=self.builtin,
+            host_model_bytes=self.host_model_bytes,
+            notes=self.notes,
+        )
 
 
 def _training_bytes(t: torch.Tensor, half: bool) -> int:
@@ -218,4 +225,3 @@ def _embedding_shape(model: nn.Module, hidden: int, vocab: int) -> tuple[int, in
     if isinstance(out, nn.Linear):
         vocab = out.out_features
     return hidden, vocab
-

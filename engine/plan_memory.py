@@ -15,8 +15,9 @@ GPU phases (each the sum of what is alive at that moment; the plan is their maxi
   margin     1 GiB (CUDA context, cuBLAS workspaces: outside torch's allocator) + 5% (the caching allocator)
 
 Host phases: construction (a given model's host bytes before it moves; the built-in GPT is built on the meta
-device and allocated on the training device in its final dtype, engine/models/init.py, so it adds none), training (the CPU side's parts from engine.optim.host_plan, the pinned activation
-pool, the runtime, the data), checkpoint (training plus the optimizer's state dict copied to the host).
+device and allocated on the training device in its final dtype, engine/models/init.py, so it adds none),
+training (the CPU side's parts from engine.optim.host_plan, the pinned activation pool, the runtime, the data),
+checkpoint (training plus the optimizer's state dict copied to the host).
 On a CPU run the device is the host: the device plan's peak is a host part.
 """
 

@@ -75,27 +75,29 @@ def _with_resolved(cfg: Config, plan: Plan) -> Config:
 
 def refusal(p: Planner, plan: Plan) -> str:
     """One line: which memory, the plan's bytes against the budget, and the key (and bound) that would fit."""
-    o, m, t = p.cfg.optimizer, p.cfg.model, p.cfg.train
+    o, m = p.cfg.optimizer, p.cfg.model
     k, fraction = plan.offloaded_layers, plan.fraction
     if not plan.gpu.fits:
         what = f"GPU memory: plan needs {gib(plan.gpu.total_bytes)} GiB, {gib(plan.gpu.budget_bytes)} GiB available"
         lowest = p.smallest_gpu_fraction(k, None if o.optimizer_cpu_offload else p.with_optimizer_offload())
         if lowest is not None and lowest.host.fits:
             if o.optimizer_cpu_offload:
-                return f"{what}; raise optimizer.optimizer_offload_fraction to >= {lowest.fraction:.2f} (or \"auto\")"
+                return f'{what}; raise optimizer.optimizer_offload_fraction to >= {lowest.fraction:.2f} (or "auto")'
             return (f"{what}; set optimizer.optimizer_cpu_offload=true and optimizer.use_distributed_optimizer=true "
                     f'with optimizer.optimizer_offload_fraction >= {lowest.fraction:.2f} (or "auto")')  # fmt: skip
         layers = p.fewest_gpu_layers(fraction) if m.cpu_offloading else None
         if layers is not None and p.evaluate(fraction, layers).host.fits:
-            return f"{what}; raise model.cpu_offloading_num_layers to >= {layers} (or \"auto\")"
+            return f'{what}; raise model.cpu_offloading_num_layers to >= {layers} (or "auto")'
         return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
     what = f"host memory: plan needs {gib(plan.host.total_bytes)} GiB, {gib(plan.host.budget_bytes)} GiB available"
     if plan.host.phase == "construction":
         return (f"{what} while the given model is on the host ({gib(plan.host.parts.get('model_construction', 0))}"
                 ' GiB); build it on the GPU or under torch.device("meta"), or use a smaller model')  # fmt: skip
     if plan.host.phase == "checkpoint":
-        return (f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
-                f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory")
+        return (
+            f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
+            f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory"
+        )
     if fraction > 0:
         highest = p.largest_host_fraction(k)
         if highest is not None and p.evaluate(highest, k).gpu.fits:
@@ -118,7 +120,9 @@ def oom_line(error: BaseException) -> str:
     if _last is None:
         return f"CUDA out of memory: {failed}; no memory plan was made (bin/train CONFIG --plan)"
     cfg, plan = _last
-    return (f"CUDA out of memory: {failed} where the plan said {gib(plan.gpu.total_bytes)} GiB of "
-            f"{_budget(plan.gpu.budget_bytes)} GiB (peak during {plan.gpu.phase}); raise "
-            f"optimizer.optimizer_offload_fraction (now {plan.fraction:.2f}) or model.cpu_offloading_num_layers "
-            f"(now {plan.offloaded_layers}), or lower train.micro_batch_size (now {cfg.train.micro_batch_size})")
+    return (
+        f"CUDA out of memory: {failed} where the plan said {gib(plan.gpu.total_bytes)} GiB of "
+        f"{_budget(plan.gpu.budget_bytes)} GiB (peak during {plan.gpu.phase}); raise "
+        f"optimizer.optimizer_offload_fraction (now {plan.fraction:.2f}) or model.cpu_offloading_num_layers "
+        f"(now {plan.offloaded_layers}), or lower train.micro_batch_size (now {cfg.train.micro_batch_size})"
+    )

@@ -49,7 +49,7 @@ class SkippedSteps:
         )
         if c.train.precision == "fp16" and math.isfinite(loss):
             cause = (
-                f"the fp16 gradients overflow even at loss scale {loss_scale:g}; use train.precision=\"bf16\", or "
+                f'the fp16 gradients overflow even at loss scale {loss_scale:g}; use train.precision="bf16", or '
                 f"lower optimizer.lr ({c.optimizer.lr:g})"
             )
         elif self.taken == 0:

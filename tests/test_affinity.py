@@ -43,8 +43,10 @@ def test_binding_on_the_gpu_node_apart_from_the_driver(tmp_path):
     assert b.node == 1 and b.nodes == 2
     assert b.driver.cpus == (4, 12)
     assert [w.cpus for w in b.workers] == [(5, 13), (6, 14), (7, 15)]
-    assert "driver/copy thread on CPU 4,12; worker threads on 3 physical cores, CPUs 5-7,13-15 (NUMA node 1 of 2)" \
+    assert (
+        "driver/copy thread on CPU 4,12; worker threads on 3 physical cores, CPUs 5-7,13-15 (NUMA node 1 of 2)"
         == b.describe()
+    )
 
 
 def test_binding_without_gpu_node_takes_the_node_with_most_usable_cores(tmp_path):

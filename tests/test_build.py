@@ -96,8 +96,11 @@ def test_initial_weights_are_the_same_whatever_the_offload_settings(make_engine,
     variants = {
         "plain": [],
         "f0.5": [*offload, "optimizer.optimizer_offload_fraction=0.5"],
-        "f1-overlap": [*offload, "optimizer.optimizer_offload_fraction=1.0",
-                       "optimizer.overlap_cpu_optimizer_d2h_h2d=true"],  # fmt: skip
+        "f1-overlap": [
+            *offload,
+            "optimizer.optimizer_offload_fraction=1.0",
+            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+        ],  # fmt: skip
         "activations": ["model.cpu_offloading=true", "model.cpu_offloading_num_layers=1"],
     }
     got = {}

@@ -478,8 +478,15 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["model.cpu_offloading_num_layers=9"], 1, "CPU offloading can be done only"),  # offloading off: not checked
     (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto"], 1, "CPU offloading can be done only"),
     (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto"], 1, "is chosen by the memory plan"),
-    (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
-      "optimizer.optimizer_offload_fraction=auto"], 1, "is chosen by the memory plan"),
+    (
+        [
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.use_distributed_optimizer=true",
+            "optimizer.optimizer_offload_fraction=auto",
+        ],
+        1,
+        "is chosen by the memory plan",
+    ),
     (["model.recompute_granularity=full"], 1, "activation recomputation"),
     (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1, "requires use_distrib"),
     (DPU, 1, "delayed_param_update"),
@@ -524,12 +531,22 @@ def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
     rule = errors_of(["model.hidden_size=30", "model.num_attention_heads=4"])
     with pytest.raises(ValueError) as built:
         GPT(num_layers=1, hidden_size=30, num_attention_heads=4, seq_length=8, vocab_size=16)
-    assert [str(built.value)] == rule == [
-        "model.hidden_size=30: must be divisible by model.num_attention_heads (4); change model.hidden_size or "
-        "model.num_attention_heads"
-    ]
-    rule = errors_of(["optimizer.cpu_offload_gpu_assist=true", "optimizer.optimizer=sgd",
-                      "optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"])
+    assert (
+        [str(built.value)]
+        == rule
+        == [
+            "model.hidden_size=30: must be divisible by model.num_attention_heads (4); change model.hidden_size or "
+            "model.num_attention_heads"
+        ]
+    )
+    rule = errors_of(
+        [
+            "optimizer.cpu_offload_gpu_assist=true",
+            "optimizer.optimizer=sgd",
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.use_distributed_optimizer=true",
+        ]
+    )
     model = GPT(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
     with pytest.raises(ValueError) as built:
         HybridDeviceOptimizer(model.named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,

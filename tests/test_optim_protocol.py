@@ -69,7 +69,7 @@ def test_an_lr_scheduler_on_the_optimizer_sees_clip_and_step(kind):
     m = model()
     opt = BUILDERS[kind](m)
     on = opt.inner if kind == "torch" else opt  # a user's scheduler is built on the user's own optimizer
-    sched = torch.optim.lr_scheduler.LambdaLR(on, lambda s: 0.5 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(on, lambda s: 0.5**s)
     backward(m)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -96,8 +96,11 @@ def test_initialize_refuses_an_oversized_model_before_allocating(capsys):
     assert peak_rss_bytes() - before < 256 << 20  # nothing the size of the model was allocated
     line = err.strip()
     assert "\n" not in line and line.startswith("error: host memory: plan needs ")
-    assert re.search(r", 3\.0 GiB available; nothing fits at this shape: at hidden 2048, seq 128, micro-batch 8 at "
-                     r"most [1-5] layers \([\d.]+ B parameters\) fit", line), line
+    assert re.search(
+        r", 3\.0 GiB available; nothing fits at this shape: at hidden 2048, seq 128, micro-batch 8 at "
+        r"most [1-5] layers \([\d.]+ B parameters\) fit",
+        line,
+    ), line
 
 
 def test_auto_is_resolved_printed_and_recorded(capsys, tmp_path):
@@ -143,8 +146,10 @@ def test_cuda_out_of_memory_is_one_line_naming_the_plan(capsys, monkeypatch):
     line = err.strip()
     assert "\n" not in line
     assert line.startswith("error: CUDA out of memory: allocating 2.00 GiB failed where the plan said ")
-    assert "raise optimizer.optimizer_offload_fraction (now 0.00) or model.cpu_offloading_num_layers (now 0), " \
-           "or lower train.micro_batch_size (now 8)" in line
+    assert (
+        "raise optimizer.optimizer_offload_fraction (now 0.00) or model.cpu_offloading_num_layers (now 0), "
+        "or lower train.micro_batch_size (now 8)" in line
+    )
 
 
 def test_host_budget_honours_cgroup_limits(tmp_path):

@@ -33,7 +33,7 @@ TINY = ["train.device=cpu", "model.num_layers=1", "model.hidden_size=32", "model
 def bin_train(capsys, *args: str) -> tuple[int, str, str]:
     """bin/train's exit code, stdout and stderr for TINY plus `args` (a config file first, as bin/train takes it)."""
     config = list(args[:1]) if args and "=" not in args[0] else []
-    code = train_main([*config, *TINY, *args[len(config):]])
+    code = train_main([*config, *TINY, *args[len(config) :]])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -48,7 +48,8 @@ def test_checkpoint_load_without_a_checkpoint_is_an_error(tmp_path, capsys):
         assert code == 2, err
         assert err.strip().splitlines() == [
             f"error: checkpoint.load={str(where)!r}: {why}; point it at a folder that checkpoint.save wrote (or one "
-            "of its iter_* folders), or set checkpoint.load_if_exists=true to start fresh when there is none"]
+            "of its iter_* folders), or set checkpoint.load_if_exists=true to start fresh when there is none"
+        ]
     code, out, err = bin_train(capsys, "train.train_iters=1", "logging.metrics_file=null",
                                f"checkpoint.load={tmp_path / 'ck'}", f"checkpoint.save={tmp_path / 'ck'}",
                                "checkpoint.load_if_exists=true")  # fmt: skip
@@ -71,7 +72,8 @@ def test_corrupted_checkpoint_exits_1_with_one_line(tmp_path, capsys):
     assert code == 1
     assert err.strip().splitlines() == [
         f"error: checkpoint {state} (iteration 1) has changed since it was saved (its sha256 differs from the "
-        f"manifest); refusing to load it; no intact older checkpoint in {tmp_path}"]
+        f"manifest); refusing to load it; no intact older checkpoint in {tmp_path}"
+    ]
 
 
 # --- non-finite steps -------------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ def test_bin_train_diverging_exits_1_with_strict_json_metrics(tmp_path, capsys):
     assert err.strip().splitlines() == [
         "error: train.max_skipped_steps=3: stopping at iteration 4 after 3 consecutive skipped steps (loss nan, "
         "gradient norm nan); likely cause: training diverged after 1 good step: the learning rate is too high "
-        "(optimizer.lr=1e+10); lower it, or raise optimizer.lr_warmup_iters (0)"]
+        "(optimizer.lr=1e+10); lower it, or raise optimizer.lr_warmup_iters (0)"
+    ]
 
     def refuse(constant):
         raise ValueError(f"not strict JSON: {constant}")
@@ -298,7 +301,8 @@ def test_config_json_edge_cases_exit_2_with_a_short_line(tmp_path, capsys):
 def test_override_edge_cases_exit_2_with_a_short_line(capsys):
     code, _, err = bin_train(capsys, "data.path=" + "y" * 5000)
     assert code == 2 and err.strip().splitlines() == [
-        f"error: override 'data.path={'y' * 50}... (5,010 characters)': a value of 5,000 characters; at most 4,096"]
+        f"error: override 'data.path={'y' * 50}... (5,010 characters)': a value of 5,000 characters; at most 4,096"
+    ]
     code, _, err = bin_train(capsys, "model.offload_modules=" + "[" * 2000 + "]" * 2000)
     assert code == 2 and "nested too deeply to parse" in err and len(err) < 300
     code, _, err = bin_train(capsys, "model.num_layers=" + json.dumps(list(range(500))))

@@ -149,9 +149,21 @@ def main(argv: list[str]) -> int:
           f"({'within' if ok else 'OUTSIDE'} {a.tolerance:.0%}); ms/iter exact {exact['median_ms']:.1f}, "
           f"delayed {dpu['median_ms']:.1f}")  # fmt: skip
     plot(exact, dpu, warmup, title, out)
-    Path(out).with_suffix(".json").write_text(json.dumps(
-        {"title": title, "iters": iters, "warmup": warmup, "exact": exact, "delayed": dpu, "final_exact": fe,
-         "final_delayed": fd, "relative_difference": rel, "command": " ".join(["tools/dpu_convergence.py", *argv])}))
+    Path(out).with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "title": title,
+                "iters": iters,
+                "warmup": warmup,
+                "exact": exact,
+                "delayed": dpu,
+                "final_exact": fe,
+                "final_delayed": fd,
+                "relative_difference": rel,
+                "command": " ".join(["tools/dpu_convergence.py", *argv]),
+            }
+        )
+    )
     return 0 if ok else 1
 
 

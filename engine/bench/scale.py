@@ -319,8 +319,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--fraction", default="0.3",
-                    help='CPU-stepped fraction of the deep model, or "auto": each row\'s memory plan chooses')
+    ap.add_argument(
+        "--fraction",
+        default="0.3",
+        help='CPU-stepped fraction of the deep model, or "auto": each row\'s memory plan chooses',
+    )
     ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -328,15 +331,29 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
     ap.add_argument("--dpu-warmup", type=int, default=2, help="optimizer.delayed_param_update_warmup of the dpu row")
-    ap.add_argument("--pin-threads", choices=["off", "on", "both"], default="off",
-                    help="optimizer.cpu_optimizer_pin_threads; both: the exact row once unpinned, once pinned")
+    ap.add_argument(
+        "--pin-threads",
+        choices=["off", "on", "both"],
+        default="off",
+        help="optimizer.cpu_optimizer_pin_threads; both: the exact row once unpinned, once pinned",
+    )
     ap.add_argument("--data-bytes", type=int, default=16 << 20, help="stdlib bytes to draw windows from")
     ap.add_argument("--json", default=None, help="write the rows and the formula here as JSON")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every row, e.g. optimizer.accumulate_allreduce_grads_in_fp32=false")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                    help="one more row of the deep shape with these overrides, e.g. "
-                         "unclipped:optimizer.clip_grad=0 or auto:optimizer.optimizer_offload_fraction=auto")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every row, e.g. optimizer.accumulate_allreduce_grads_in_fp32=false",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="one more row of the deep shape with these overrides, e.g. "
+        "unclipped:optimizer.clip_grad=0 or auto:optimizer.optimizer_offload_fraction=auto",
+    )
     return ap
 
 
@@ -399,8 +416,10 @@ def main(argv: list[str]) -> int:
         f = s.flops_per_token()
         print(f"  L={s.layers}: N={s.matmul_params():,} -> {f['dense']:.4g} + {f['attention']:.4g} = "
               f"{f['total']:.4g} FLOPs/token (causal-counted: {f['causal_total']:.4g})")  # fmt: skip
-    print("hidden = CPU step - GPU waited (CUDA events at each CPU-stepped unit's wait); exposed = ms/iter - the fit "
-          f"row's ms/iter x the FLOP ratio ({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})")
+    print(
+        "hidden = CPU step - GPU waited (CUDA events at each CPU-stepped unit's wait); exposed = ms/iter - the fit "
+        f"row's ms/iter x the FLOP ratio ({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})"
+    )
     for name, over in variants:
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in over.items()))
     print()

@@ -108,7 +108,7 @@ def init_transformer_(
         for _ in range(workers):
             scratch.put(torch.empty(size, dtype=torch.float32, device=device))
 
-        def run(job: tuple) -> None:
+        def run(job: tuple, scratch: queue.SimpleQueue = scratch) -> None:
             buf = scratch.get()
             try:
                 normal_(*job, scratch=buf)
