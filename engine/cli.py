@@ -22,7 +22,7 @@ from engine.budget import Budgets, parse_gib, peak_rss_bytes
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
 from engine.metrics import MetricsLog, format_bytes, run_header
-from engine.resources import data_path
+from engine.resources import config_file, data_path
 from engine.signals import GracefulStop, Stopped
 from engine.skips import TrainingDiverged
 
@@ -73,7 +73,7 @@ def show_plan(cfg: Config, budgets: Budgets, as_json: bool) -> int:
 
 def _split_args(args: list[str]) -> tuple[str, list[str]]:
     if args and "=" not in args[0]:
-        return args[0], args[1:]
+        return config_file(args[0]), args[1:]
     return str(DEFAULT_CONFIG), args
 
 
@@ -89,8 +89,12 @@ BENCHES = {
 def bench_main(argv: list[str] | None = None) -> int:
     """`bin/bench <name> [options]`: runs one of engine/bench's modules (each prints its table and command)."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: {os.path.basename(sys.argv[0])} {{{'|'.join(BENCHES)}}} [options]  (NAME --help: its options)"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: {os.path.basename(sys.argv[0])} {{{'|'.join(BENCHES)}}} [options]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
 

@@ -23,3 +23,13 @@ def data_path(folder: str, name: str) -> Path:
         f"{folder}/{name} is missing from this install (looked at {candidates[0]} and {candidates[1]}): "
         "reinstall offload-engine with `pip install .` from a checkout, or run from the checkout"
     )
+
+
+def config_file(name: str) -> str:
+    """A config path as given, or, when no such file exists here, the shipped config of that name
+    (`configs/13b-h200.json` or `13b-h200.json`) from the install, so the README's commands work anywhere."""
+    given = Path(name)
+    if given.exists() or given.suffix != ".json" or given.parent not in (Path("."), Path("configs")):
+        return name
+    shipped = (PACKAGE / "configs" / given.name, PACKAGE.parent / "configs" / given.name)
+    return str(next((path for path in shipped if path.is_file()), name))

@@ -8,7 +8,7 @@ from engine.bench import scale
 from engine.models.gpt import GPT
 
 TINY = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2",
-        "--iters", "2", "--warmup", "1", "--data-bytes", "100000"]  # fmt: skip
+        "--iters", "2", "--warmup", "1", "--data-bytes", "100000", "--device", "cpu"]  # fmt: skip
 
 
 @pytest.mark.parametrize("layers,hidden,seq", [(2, 64, 32), (3, 128, 16)])
@@ -96,3 +96,23 @@ def test_auto_fraction_is_resolved_per_row(tmp_path):
     assert scale.main([*TINY, "--rows", "exact", "--fraction", "auto", "--json", str(out)]) == 0
     (row,) = json.load(open(out))["rows"]
     assert isinstance(row["fraction"], float) and 0.0 <= row["fraction"] <= 1.0
+
+
+def test_without_cuda_a_gpu_benchmark_refuses_at_once(monkeypatch, capsys):
+    """No CUDA: one line, exit 2, before any data is read or model built (not an 8 B run on the CPU)."""
+    from engine.bench import activations, floors, optimizer
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(scale, "stdlib_bytes", lambda n: pytest.fail("read data without CUDA"))
+    monkeypatch.setattr(scale, "resolve_fraction", lambda a, s: pytest.fail("planned without CUDA"))
+    for main in (scale.main, optimizer.main, activations.main, floors.main):
+        assert main([]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no CUDA device" in err[0], err
+
+
+def test_bench_help_exits_0(capsys):
+    from engine.cli import bench_main
+
+    assert bench_main(["--help"]) == 0 and "scale" in capsys.readouterr().out
+    assert bench_main([]) == 2 and "usage" in capsys.readouterr().err

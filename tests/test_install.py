@@ -7,6 +7,7 @@ pyproject.toml does not name, in a second.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -57,3 +58,27 @@ def test_installed_copy_wins_over_a_folder_beside_the_package(tmp_path, monkeypa
     (site / "schemas" / "engine.schema.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"schemas/engine.schema.json is missing .*pip install \."):
         resources.data_path("schemas", "engine.schema.json")
+
+
+def test_a_shipped_config_name_resolves_from_any_directory(tmp_path, monkeypatch, bin_train):
+    """`offload-train configs/13b-h200.json ...` outside the checkout reads the copy the install carries; a file
+    of that name in the working directory wins; an unknown name stays what the user typed (its error names it)."""
+    site = tmp_path / "site-packages"
+    (site / "engine" / "configs").mkdir(parents=True)
+    (site / "engine" / "configs" / "13b-h200.json").write_text("{}")
+    monkeypatch.setattr(resources, "PACKAGE", site / "engine")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    shipped = str(site / "engine" / "configs" / "13b-h200.json")
+    assert resources.config_file("configs/13b-h200.json") == shipped
+    assert resources.config_file("13b-h200.json") == shipped
+    assert resources.config_file("configs/none.json") == "configs/none.json"
+    assert resources.config_file("other/13b-h200.json") == "other/13b-h200.json"  # a path elsewhere: as typed
+    (work / "configs").mkdir()
+    (work / "configs" / "13b-h200.json").write_text("{}")
+    assert resources.config_file("configs/13b-h200.json") == "configs/13b-h200.json"
+    monkeypatch.undo()
+    proc = bin_train("configs/13b-h200.json", "--print-config", cwd=tmp_path)  # bin/train reads the checkout's
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"]["hidden_size"] == 5120

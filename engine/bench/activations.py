@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from engine.bench import no_cuda
 from engine.models.gpt import GPT, gpt_loss
 from engine.offload import apply_activation_offloading
 
@@ -193,8 +194,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", default=None, help="append each row as a JSON line here")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bin/bench activations needs a CUDA device", file=sys.stderr)
+    if refusal := no_cuda("bin/bench activations"):
+        print(refusal, file=sys.stderr)
         return 2
     bw = measure_bandwidth()
     print(f"bandwidth D2H {bw[0] / GB:.1f} GB/s, H2D {bw[1] / GB:.1f} GB/s", flush=True)

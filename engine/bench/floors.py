@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from engine.bench import no_cuda
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import fused_kernel
 
@@ -170,9 +171,9 @@ def model_time():
 
 
 def main(argv: list[str]) -> int:
-    if not torch.cuda.is_available():
-        print("bin/bench floors: needs a CUDA device")
-        return 1
+    if refusal := no_cuda("bin/bench floors"):
+        print(refusal, file=sys.stderr)
+        return 2
     print("cores:", os.cpu_count(), "affinity:", len(os.sched_getaffinity(0)), "torch", torch.__version__)
     copies = bandwidth()
     if "kernel" not in argv:  # `kernel`: the CPU AdamW rates only

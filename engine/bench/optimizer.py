@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from engine.bench import no_cuda
 from engine.build import named_parameter_groups
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
@@ -156,9 +157,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--data", choices=["stdlib", "random"], default="stdlib")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{COMMAND}: needs a CUDA device")
-        return 1
+    if refusal := no_cuda(COMMAND):
+        print(refusal, file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.bench import no_cuda
 from engine.config import ConfigError, load_config
 from engine.data import TokenBatches, stdlib_bytes
 from engine.models.gpt import GPT
@@ -136,7 +137,8 @@ def _config(a: argparse.Namespace, shape: Shape, fraction: float | str, dpu: boo
                       "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
                       "cpu_optimizer_threads": a.cpu_threads},
         "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
-                  "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed},
+                  "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed,
+                  "device": a.device},
         "logging": {"metrics_file": None, "progress_bar": False},
     }  # fmt: skip
     if dpu:  # a short warm-up: the measured iterations are delayed ones
@@ -225,7 +227,7 @@ def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float | st
     from engine.engine import initialize
 
     row = Row(name, shape.layers, shape.params(), fraction, dpu, pin, overrides=dict(overrides or {}))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(a.device)
     t0 = time.perf_counter()
     cfg = _config(a, shape, fraction, dpu, overrides, pin=pin)
     eng, _, _ = initialize(model=_model(shape, device, a.seed), config=cfg)
@@ -329,6 +331,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: tiny shapes only (tests)")
     ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
     ap.add_argument("--dpu-warmup", type=int, default=2, help="optimizer.delayed_param_update_warmup of the dpu row")
     ap.add_argument(
@@ -367,6 +370,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.device == "cuda" and (refusal := no_cuda(COMMAND)):  # before anything is read or built
+        print(refusal, file=sys.stderr)
+        return 2
     variants = a.variant
     heads = a.heads or max(1, a.hidden // 128)
     fit_shape = Shape(a.layers_fit, a.hidden, heads, a.seq)
@@ -376,7 +382,7 @@ def main(argv: list[str]) -> int:
         fraction = "auto"
     tokens = stdlib_bytes(a.data_bytes)
     fpt = shape.flops_per_token()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA)"
+    device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"{COMMAND}: hidden {a.hidden}, {heads} heads, seq {a.seq}, micro-batch {a.micro_batch}, global batch "
           f"{a.global_batch}, bf16 half weights, fp32 master + AdamW states; {a.warmup} warm-up + {a.iters} measured "
           f"iterations per row (median); {device}", flush=True)  # fmt: skip
