@@ -163,13 +163,18 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
         stack.callback(bar.close)
         first, saved, saved_at, signum = eng.iteration, None, None, None
         while eng.iteration < cfg.train.train_iters and not (signum := stop.requested(eng.device)):
+            lr = eng.optimizer.param_groups[0]["lr"]  # the step below uses it; the schedule then moves on
             start = time.perf_counter()
-            loss = eng.train_batch()
+            diverged = None
+            try:
+                loss = eng.train_batch()
+            except TrainingDiverged as e:  # its iteration is recorded, then the run ends
+                diverged, loss = e, e.loss
             seconds = time.perf_counter() - start
             record = {
                 "iteration": eng.iteration,
                 "loss": loss,
-                "lr": eng.optimizer.param_groups[0]["lr"],
+                "lr": lr,
                 "grad_norm": float(eng.last_grad_norm),
                 "iteration_ms": 1000.0 * seconds,
                 "tokens_per_s": tokens_per_iter / seconds,
@@ -185,8 +190,10 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
                 "cpu_offloading_num_layers": eng.config.model.cpu_offloading_num_layers,
                 "delayed_update": eng.last_step_delayed,
             }
-            if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters:
+            if eng.iteration % cfg.logging.log_interval == 0 or eng.iteration == cfg.train.train_iters or diverged:
                 log.write(record)
+            if diverged:
+                raise diverged
             bar.set_postfix(
                 loss=f"{loss:.4f}",
                 tok_s=f"{record['tokens_per_s']:,.0f}",

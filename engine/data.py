@@ -8,6 +8,7 @@ sees exactly the batches the uninterrupted run saw: the iterator's whole state i
 from __future__ import annotations
 
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,22 +52,30 @@ def _token_file(path: str, token_dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=_TOKEN_DTYPES[token_dtype], mode="r")
 
 
+def _check_regular_file(path: str | None, wanted: str) -> None:
+    """data.path must be a regular file: a FIFO or a device (/dev/zero) has no size to window into."""
+    if not path or not os.path.exists(path):
+        raise FileNotFoundError(f"data.path={path!r}: no such file; give {wanted}")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device",
+                 stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip
+        what = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+        raise ValueError(f"data.path={path!r} is {what}, not a regular file; give {wanted}")
+
+
 def load_tokens(source: str, path: str | None, token_dtype: str, max_bytes: int, vocab_size: int) -> np.ndarray:
     """The whole token stream as a 1-D array (memory-mapped for token files). Errors name the key, the file
     and the offending value."""
     if source == "stdlib":
         tokens = stdlib_bytes(max_bytes)
     elif source == "text":
-        if not path or not Path(path).is_file():
-            raise FileNotFoundError(f"data.path={path!r}: no such file; give a UTF-8 text file for data.source='text'")
+        _check_regular_file(path, "a UTF-8 text file for data.source='text'")
         tokens = np.fromfile(path, dtype=np.uint8)
         if len(tokens) == 0:
             raise ValueError(f"data.path={path!r} is empty; give a UTF-8 text file for data.source='text'")
     else:
-        if not path or not Path(path).is_file():
-            raise FileNotFoundError(
-                f"data.path={path!r}: no such file; give a binary token file for data.source='tokens'"
-            )
+        _check_regular_file(path, "a binary token file for data.source='tokens'")
         tokens = _token_file(path, token_dtype)
     where = f"data.path={path!r}" if path else f"data.source={source!r}"
     low, top = int(tokens.min()), int(tokens.max())

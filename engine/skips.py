@@ -11,7 +11,12 @@ from typing import Any
 
 
 class TrainingDiverged(RuntimeError):
-    """`train.max_skipped_steps` consecutive steps were skipped; the message is one line for users."""
+    """`train.max_skipped_steps` consecutive steps were skipped; the message is one line for users, `loss` the
+    last step's mean loss (for its metrics record)."""
+
+    def __init__(self, message: str, loss: float) -> None:
+        super().__init__(message)
+        self.loss = loss
 
 
 def _show(x: float) -> str:
@@ -39,7 +44,7 @@ class SkippedSteps:
         self.total += 1
         self.consecutive += 1
         if self.limit is not None and self.consecutive >= self.limit:
-            raise TrainingDiverged(self.message(iteration, loss, grad_norm, loss_scale))
+            raise TrainingDiverged(self.message(iteration, loss, grad_norm, loss_scale), loss)
 
     def message(self, iteration: int, loss: float, grad_norm: float, loss_scale: float) -> str:
         c = self.config

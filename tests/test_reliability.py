@@ -145,8 +145,8 @@ def test_bin_train_diverging_exits_1_with_strict_json_metrics(tmp_path, capsys):
 
     rows = [json.loads(line, parse_constant=refuse) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "iteration" in r]
-    assert [(r["iteration"], r["skipped"], r["skipped_steps"]) for r in steps] == [(1, False, 0), (2, True, 1),
-                                                                                  (3, True, 2)]  # fmt: skip
+    got = [(r["iteration"], r["skipped"], r["skipped_steps"]) for r in steps]
+    assert got == [(1, False, 0), (2, True, 1), (3, True, 2), (4, True, 3)]  # the iteration that stopped it too
     assert steps[1]["loss"] is None and steps[1]["grad_norm"] is None and math.isfinite(steps[0]["loss"])
     # without a limit the run goes on; the progress bar and the summary count the skipped steps
     code, out, err = bin_train(capsys, "optimizer.lr=1e10", "train.max_skipped_steps=null", "train.train_iters=4",
@@ -154,6 +154,20 @@ def test_bin_train_diverging_exits_1_with_strict_json_metrics(tmp_path, capsys):
     assert code == 0, err
     assert "skipped=3" in err  # tqdm's postfix
     assert "loss 5.5" in out and "-> non-finite, 3 steps skipped (non-finite loss or gradient norm)" in out
+
+
+def test_the_metrics_lr_is_the_lr_its_step_used(tmp_path, capsys):
+    """Iteration k logs lr_at(k), the rate of its own step (warm-up 2 at 3e-4: 1.5e-4, 3e-4, then cosine)."""
+    from engine.schedule import lr_at
+
+    metrics = tmp_path / "m.jsonl"
+    code, _, err = bin_train(capsys, "optimizer.lr=3e-4", "optimizer.min_lr=3e-5", "optimizer.lr_warmup_iters=2",
+                             "optimizer.lr_decay_style=cosine", "train.train_iters=5",
+                             f"logging.metrics_file={metrics}")  # fmt: skip
+    assert code == 0, err
+    logged = [r["lr"] for r in steps_of(metrics)]
+    expected = [lr_at(k, lr=3e-4, min_lr=3e-5, warmup_iters=2, decay_iters=5, style="cosine") for k in range(1, 6)]
+    assert logged == pytest.approx(expected, rel=1e-12) and logged[0] == pytest.approx(1.5e-4, rel=1e-12)
 
 
 # --- signals and locks ------------------------------------------------------------------------------------
@@ -267,6 +281,25 @@ def test_token_file_errors_name_key_file_and_value(tmp_path, capsys, content, dt
                              f"data.path={path}", f"data.token_dtype={dtype}", "data.max_bytes=16777216")  # fmt: skip
     assert code == 1
     assert err.strip().splitlines() == ["error: " + message.format(p=f"data.path={str(path)!r}")]
+
+
+@pytest.mark.parametrize("source", ["text", "tokens"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
+def test_data_path_that_is_not_a_regular_file_says_what_it_is(tmp_path, capsys, source, kind):
+    path = {"fifo": tmp_path / "pipe", "/dev/zero": Path("/dev/zero"), "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    code, _, err = bin_train(capsys, "train.train_iters=1", "logging.metrics_file=null", f"data.source={source}",
+                             f"data.path={path}")  # fmt: skip
+    what = {"fifo": "a FIFO (named pipe)", "/dev/zero": "a character device", "directory": "a directory"}[kind]
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: data.path={str(path)!r} is {what}, not a regular file; give "
+        + (
+            "a UTF-8 text file for data.source='text'"
+            if source == "text"
+            else "a binary token file for data.source='tokens'"
+        )  # fmt: skip
+    ]
 
 
 def test_data_path_without_a_file_source_is_rejected(capsys):
