@@ -83,28 +83,30 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
         from engine import megatron
 
         return megatron.build_hybrid_optimizer(model, o, param_groups=groups)
-    from engine.optim import HybridDeviceOptimizer
+    from engine.optim import HybridDeviceOptimizer, HybridOptions
 
     # one optimizer for every case: at fraction 0 it is the plain device optimizer (with fp32 masters
     # for half weights); the offload options take effect only under their master switch, as in Megatron
     offload = o.optimizer_cpu_offload
     return HybridDeviceOptimizer(
         groups,
-        optimizer=o.optimizer,
-        lr=o.lr,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        momentum=o.sgd_momentum,
-        offload_fraction=o.optimizer_offload_fraction if offload else 0.0,
-        overlap_cpu_optimizer_d2h_h2d=offload and o.overlap_cpu_optimizer_d2h_h2d,
-        pin_cpu_grads=o.pin_cpu_grads,
-        pin_cpu_params=o.pin_cpu_params,
-        use_torch_optimizer_for_cpu_offload=offload and o.use_torch_optimizer_for_cpu_offload,
-        cpu_threads=o.cpu_optimizer_threads,
-        pin_cpu_threads=offload and o.cpu_optimizer_pin_threads,
-        accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
-        gpu_assist=o.cpu_offload_gpu_assist,
-        delayed_param_update=o.delayed_param_update,
-        delayed_param_update_warmup=o.delayed_param_update_warmup,
-        speculation_buffer_mb=o.speculation_buffer_mb,
+        HybridOptions(
+            optimizer=o.optimizer,
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            momentum=o.sgd_momentum,
+            offload_fraction=o.optimizer_offload_fraction if offload else 0.0,
+            overlap_cpu_optimizer_d2h_h2d=offload and o.overlap_cpu_optimizer_d2h_h2d,
+            pin_cpu_grads=o.pin_cpu_grads,
+            pin_cpu_params=o.pin_cpu_params,
+            use_torch_optimizer_for_cpu_offload=offload and o.use_torch_optimizer_for_cpu_offload,
+            cpu_threads=o.cpu_optimizer_threads,
+            pin_cpu_threads=offload and o.cpu_optimizer_pin_threads,
+            accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
+            gpu_assist=o.cpu_offload_gpu_assist,
+            delayed_param_update=o.delayed_param_update,
+            delayed_param_update_warmup=o.delayed_param_update_warmup,
+            speculation_buffer_mb=o.speculation_buffer_mb,
+        ),
     )

@@ -8,7 +8,7 @@ import time
 import torch
 
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 
 VOCAB, SEQ = 64, 16
 
@@ -70,7 +70,7 @@ def run_hybrid(model, data, *, max_norm: float, wd: float = 0.1, sgd: bool = Fal
     """The same loop through HybridDeviceOptimizer; returns (model, optimizer)."""
     if opt is None:
         extra = dict(optimizer="sgd", momentum=0.9, lr=HP["lr"]) if sgd else dict(optimizer="adam", **HP)
-        opt = HybridDeviceOptimizer(groups(model, wd, named=True), **extra, **kw)
+        opt = HybridDeviceOptimizer(groups(model, wd, named=True), HybridOptions(**extra, **kw))
         opt.attach_model(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule, last_epoch=start - 1) if start == 0 else None
     if sched is None:  # resuming: the schedule continues where the checkpoint left it
@@ -101,9 +101,9 @@ def max_rel_err(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 def slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
     """Slow the CPU threads' step and count the assist's units, so the GPU assist certainly takes some."""
-    from engine.optim import cpu_side, gpu_assist
+    from engine.optim import cpu_arith, gpu_assist
 
-    step_fused, step_unit = cpu_side.CpuPart._step_fused, gpu_assist.GpuAssist.step_unit
+    step_fused, step_unit = cpu_arith.FusedAdamW.step, gpu_assist.GpuAssist.step_unit
 
     def slow(self, *a, **kw):
         time.sleep(0.02)
@@ -113,5 +113,5 @@ def slow_cpu_threads(monkeypatch, counter: list[int]) -> None:
         counter.append(1)
         return step_unit(self, *a, **kw)
 
-    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
+    monkeypatch.setattr(cpu_arith.FusedAdamW, "step", slow)
     monkeypatch.setattr(gpu_assist.GpuAssist, "step_unit", counted)

@@ -89,14 +89,15 @@ def test_initializers_off_bind_nothing():
 def test_the_hybrid_optimizer_pins_its_cpu_threads_when_asked():
     from optim_reference import tiny_gpt
 
-    from engine.optim import HybridDeviceOptimizer
+    from engine.optim import HybridDeviceOptimizer, HybridOptions
 
     b = affinity.plan_binding(affinity.gpu_numa_node())
     if b is None:
         pytest.skip("Requires: two usable physical cores")
     for pin in (True, False):
-        opt = HybridDeviceOptimizer(tiny_gpt().named_parameters(), lr=1e-3, offload_fraction=0.5, cpu_threads=2,
-                                    pin_cpu_threads=pin)  # fmt: skip
+        opt = HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(
+                                    lr=1e-3, offload_fraction=0.5, cpu_threads=2,
+                                    pin_cpu_threads=pin))  # fmt: skip
         opt.host_bytes()  # builds both sides
         try:
             worker = set(opt.cpu.arith.pool.submit(os.sched_getaffinity, 0).result())

@@ -526,7 +526,7 @@ def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
     """The built-in GPT and the CPU side check what the config's rules check, for callers without a config: one
     text each (config_rules), so the two never drift apart."""
     from engine.models.gpt import GPT
-    from engine.optim import HybridDeviceOptimizer
+    from engine.optim import HybridDeviceOptimizer, HybridOptions
 
     rule = errors_of(["model.hidden_size=30", "model.num_attention_heads=4"])
     with pytest.raises(ValueError) as built:
@@ -549,8 +549,8 @@ def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
     )
     model = GPT(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8, vocab_size=16)
     with pytest.raises(ValueError) as built:
-        HybridDeviceOptimizer(model.named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
-                              gpu_assist=True)._build()  # fmt: skip
+        HybridDeviceOptimizer(model.named_parameters(), HybridOptions(optimizer="sgd", lr=0.1, offload_fraction=0.5,
+                              gpu_assist=True))._build()  # fmt: skip
     assert len(rule) == 1 and rule[0].split(": ", 1)[1] == str(built.value).removeprefix("gpu_assist=True ")
     from engine.offload import apply_activation_offloading
 

@@ -14,7 +14,7 @@ import torch
 from optim_reference import HP, batches, groups, run_hybrid
 
 from engine.models.gpt import GPT
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 from engine.optim.host_plan import cpu_side_host_bytes, speculation_units
 from engine.optim.partition import unit_of
 
@@ -80,8 +80,8 @@ CASES = [  # (dtype, micro-batches, fraction, bound MiB, optimizer options)
 def test_host_bytes_equal_the_plan_and_the_tensors_held(dtype, micro, fraction, mb, extra):
     model = gpt(dtype)
     kw = {**HP, **extra} if "optimizer" not in extra else extra
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **kw, offload_fraction=fraction,
-                                overlap_cpu_optimizer_d2h_h2d=True, speculation_buffer_mb=mb)  # fmt: skip
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**kw, offload_fraction=fraction,
+                                overlap_cpu_optimizer_d2h_h2d=True, speculation_buffer_mb=mb))  # fmt: skip
     opt.attach_model(model)
     run_hybrid(model, batches(2, micro=micro), max_norm=0.0, opt=opt)
     units = unit_numels(model, opt.cpu_names)
@@ -107,8 +107,8 @@ def test_host_bytes_do_not_grow_with_depth_beyond_12_bytes_and_staging():
         torch.manual_seed(0)
         model = GPT(num_layers=layers, hidden_size=128, num_attention_heads=4, seq_length=16, vocab_size=64)
         model = model.to(torch.bfloat16)
-        opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=1.0,
-                                    overlap_cpu_optimizer_d2h_h2d=True, speculation_buffer_mb=3)  # fmt: skip
+        opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=1.0,
+                                    overlap_cpu_optimizer_d2h_h2d=True, speculation_buffer_mb=3))  # fmt: skip
         opt.attach_model(model)
         run_hybrid(model, batches(1, micro=2), max_norm=0.0, opt=opt)
         n = sum(p.numel() for p in model.parameters())
@@ -127,8 +127,8 @@ class _NeverGo(threading.Event):
 
 def _run(dtype, mb, data, max_norm=0.0, overlap=True, never_go=True):
     model = gpt(dtype)
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=1.0,
-                                overlap_cpu_optimizer_d2h_h2d=overlap, speculation_buffer_mb=mb)  # fmt: skip
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=1.0,
+                                overlap_cpu_optimizer_d2h_h2d=overlap, speculation_buffer_mb=mb))  # fmt: skip
     opt.attach_model(model)
     if overlap and never_go:
         opt.cpu.go = _NeverGo()

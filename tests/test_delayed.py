@@ -11,7 +11,7 @@ import torch
 from optim_reference import HP, batches, groups, schedule, tiny_gpt
 
 from engine.models.gpt import gpt_loss
-from engine.optim import HybridDeviceOptimizer, fused_kernel
+from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel
 
 FRACTION, WARMUP, MAX_NORM = 0.5, 3, 0.5
 
@@ -56,9 +56,9 @@ def reference(model, data, cpu_names, *, warmup, max_norm=MAX_NORM, bad=()):
 
 
 def make(model, *, warmup=WARMUP, overlap=True, **kw):
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=FRACTION,
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=FRACTION,
                                 overlap_cpu_optimizer_d2h_h2d=overlap, delayed_param_update=True,
-                                delayed_param_update_warmup=warmup, **kw)  # fmt: skip
+                                delayed_param_update_warmup=warmup, **kw))  # fmt: skip
     opt.attach_model(model)
     return opt
 
@@ -129,8 +129,8 @@ def test_warmup_longer_than_the_run_is_the_exact_run(torch_kernels):
     model, data = tiny_gpt(), batches(5, micro=1)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     delayed = list(ours(a, data, make(a, warmup=5)))
-    exact_opt = HybridDeviceOptimizer(groups(b, 0.1, named=True), **HP, offload_fraction=FRACTION,
-                                      overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    exact_opt = HybridDeviceOptimizer(groups(b, 0.1, named=True), HybridOptions(**HP, offload_fraction=FRACTION,
+                                      overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
     exact_opt.attach_model(b)
     exact = list(ours(b, data, exact_opt))
     for (w, m, d), (ew, em, _) in zip(delayed, exact, strict=True):
@@ -189,7 +189,7 @@ def test_loaded_without_the_option_the_pending_update_lands(torch_kernels):
     opt = make(model)
     list(ours(model, data, opt))
     state = opt.state_dict()
-    plain = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=FRACTION)
+    plain = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=FRACTION))
     plain.attach_model(model)
     plain.load_state_dict(state)
     for n, p in model.named_parameters():
@@ -206,7 +206,7 @@ def test_loaded_without_the_option_the_pending_update_lands(torch_kernels):
 )
 def test_optimizer_that_cannot_delay_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), lr=1e-3, delayed_param_update=True, **kw)
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(lr=1e-3, delayed_param_update=True, **kw))
 
 
 # --- through the engine: config, metrics, checkpoints -------------------------------------------------------
@@ -270,8 +270,8 @@ def test_memory_plan_counts_the_shadow_and_no_speculation():
     m = cfg.model
     model = GPT(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                 seq_length=m.seq_length, vocab_size=m.vocab_size).to(torch.bfloat16)  # fmt: skip
-    opt = HybridDeviceOptimizer(named_parameter_groups(model, None, 0.0), lr=1e-3, offload_fraction=0.5,
-                                overlap_cpu_optimizer_d2h_h2d=True, delayed_param_update=True)  # fmt: skip
+    opt = HybridDeviceOptimizer(named_parameter_groups(model, None, 0.0), HybridOptions(lr=1e-3, offload_fraction=0.5,
+                                overlap_cpu_optimizer_d2h_h2d=True, delayed_param_update=True))  # fmt: skip
     opt.attach_model(model)
     shadow = sum(t.numel() * t.element_size() for t in opt.delayed.shadow.values())
     opt.close()

@@ -98,7 +98,7 @@ def test_config_key_reaches_the_cpu_part():
 def test_bad_bound(bad):
     from optim_reference import tiny_gpt
 
-    from engine.optim import HybridDeviceOptimizer
+    from engine.optim import HybridDeviceOptimizer, HybridOptions
 
     with pytest.raises(ValueError, match=r"speculation_buffer_mb \(optimizer\.speculation_buffer_mb\)"):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), lr=1e-3, speculation_buffer_mb=bad)
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(lr=1e-3, speculation_buffer_mb=bad))

@@ -27,8 +27,8 @@ def test_hybrid_optimizer_with_offloading(double_buffering: bool, autocast: bool
         model = make()
         off = apply_activation_offloading(model, num_layers=k, double_buffering=double_buffering, min_bytes=0)
         opt = hybrid.HybridDeviceOptimizer(
-            model.named_parameters(), lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
-            overlap_cpu_optimizer_d2h_h2d=True, cpu_threads=1,
+            model.named_parameters(), hybrid.HybridOptions(lr=1e-2, weight_decay=0.1, offload_fraction=0.5,
+            overlap_cpu_optimizer_d2h_h2d=True, cpu_threads=1)
         )  # fmt: skip
         opt.attach_model(model)
         g = torch.Generator().manual_seed(1)

@@ -20,7 +20,7 @@ from optim_reference import (
 )
 
 from engine.models.gpt import gpt_loss
-from engine.optim import HybridDeviceOptimizer, fused_kernel
+from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel
 from engine.optim.partition import split_for_offload, unit_of
 
 FRACTIONS = [0.0, 0.25, 0.5, 1.0]
@@ -82,8 +82,8 @@ def test_bf16_weights_fp32_masters():
     for fraction in (0.0, 0.5, 1.0):
         ours = copy.deepcopy(model)
         ref = copy.deepcopy(model)
-        opt = HybridDeviceOptimizer(groups(ours, 0.1, named=True), **HP, offload_fraction=fraction,
-                                    overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+        opt = HybridDeviceOptimizer(groups(ours, 0.1, named=True), HybridOptions(**HP, offload_fraction=fraction,
+                                    overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
         opt.attach_model(ours)
         masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
         ref_opt = torch.optim.AdamW(
@@ -129,8 +129,8 @@ def test_cross_fraction_checkpoint(tmp_path):
         ckpt = torch.load(path, weights_only=True)
         resumed = tiny_gpt(seed=123)  # different init: everything must come from the checkpoint
         resumed.load_state_dict(ckpt["model"])
-        opt2 = HybridDeviceOptimizer(groups(resumed, 0.1, named=True), **HP, offload_fraction=fraction,
-                                     overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+        opt2 = HybridDeviceOptimizer(groups(resumed, 0.1, named=True), HybridOptions(**HP, offload_fraction=fraction,
+                                     overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
         opt2.attach_model(resumed)
         opt2.load_state_dict(ckpt["optim"])
         resumed, _ = run_hybrid(resumed, data[5:], max_norm=0.5, start=5, opt=opt2)
@@ -161,7 +161,7 @@ def test_bad_fraction(bad):
     with pytest.raises(
         ValueError, match=r"offload_fraction \(optimizer.optimizer_offload_fraction\)=.* in \[0.0, 1.0\]"
     ):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), lr=1e-3, offload_fraction=bad)
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(lr=1e-3, offload_fraction=bad))
 
 
 @pytest.mark.parametrize(
@@ -177,14 +177,14 @@ def test_bad_fraction(bad):
 def test_bad_options(kw, match):
     args = dict(lr=1e-3) | kw
     with pytest.raises(ValueError, match=match):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), **args)
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(**args))
 
 
 def test_non_finite_gradients_skip_the_step():
     model = tiny_gpt()
     before = copy.deepcopy(model)
     opt = HybridDeviceOptimizer(
-        model.named_parameters(), lr=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True
+        model.named_parameters(), HybridOptions(lr=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True)
     )
     opt.attach_model(model)
     tokens = batches(1, 1)[0][0]
@@ -202,7 +202,7 @@ def test_grad_norm_and_scale():
     tokens = batches(1, 1)[0][0]
     gpt_loss(ref(tokens), tokens).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
-    opt = HybridDeviceOptimizer(model.named_parameters(), lr=1e-3, offload_fraction=0.5)
+    opt = HybridDeviceOptimizer(model.named_parameters(), HybridOptions(lr=1e-3, offload_fraction=0.5))
     (gpt_loss(model(tokens), tokens) * 1024.0).backward()
     norm, stepped = opt.clip_and_step(0.0, grad_scale=1024.0)
     assert stepped and norm == pytest.approx(want, rel=1e-6)
@@ -238,7 +238,7 @@ def test_state_bytes_follow_fraction():
 def test_close_removes_hooks():
     model = tiny_gpt()
     opt = HybridDeviceOptimizer(
-        model.named_parameters(), lr=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True
+        model.named_parameters(), HybridOptions(lr=1e-3, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True)
     )
     opt.attach_model(model)
     opt.close()
@@ -257,8 +257,8 @@ class _NeverGo(threading.Event):
 
 def _speculating_run(fraction: float, data) -> tuple[torch.nn.Module, HybridDeviceOptimizer]:
     model = tiny_gpt()
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=fraction,
-                                overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=fraction,
+                                overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
     opt.attach_model(model)
     opt.cpu.go = _NeverGo()
     return run_hybrid(model, data, max_norm=0.0, opt=opt)
@@ -335,8 +335,9 @@ def test_gpu_assist_is_bitwise_the_cpu_threads(reference, monkeypatch):
 
 def test_gpu_assist_needs_the_engine_adamw():
     with pytest.raises(ValueError, match="gpu_assist=True works with the engine's own AdamW only"):
-        HybridDeviceOptimizer(tiny_gpt().named_parameters(), optimizer="sgd", lr=0.1, offload_fraction=0.5,
-                              gpu_assist=True)._build()  # fmt: skip
+        HybridDeviceOptimizer(tiny_gpt().named_parameters(), HybridOptions(
+                              optimizer="sgd", lr=0.1, offload_fraction=0.5,
+                              gpu_assist=True))._build()  # fmt: skip
 
 
 def test_step_timing_counts_guesses_commits_and_arithmetic():
@@ -347,11 +348,11 @@ def test_step_timing_counts_guesses_commits_and_arithmetic():
     assert t["speculated"] == t["committed"] == n
     assert 0 < t["speculated_s"] <= t["compute_s"] and t["gpu_wait_s"] == 0.0
     model = tiny_gpt()
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=0.5,
-                                overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=0.5,
+                                overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
     opt.attach_model(model)
     opt.cpu.go = _NeverGo()
     run_hybrid(model, batches(1, micro=1), max_norm=1e-3, opt=opt)
     t = opt.cpu_step_timing()
     assert t["speculated"] == n and t["committed"] == 0
-    assert HybridDeviceOptimizer(groups(tiny_gpt(), 0.1, named=True), **HP).cpu_step_timing() is None
+    assert HybridDeviceOptimizer(groups(tiny_gpt(), 0.1, named=True), HybridOptions(**HP)).cpu_step_timing() is None

@@ -19,7 +19,7 @@ from optim_reference import (
 )
 
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer, fused_kernel
+from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
 
 pytestmark = [
@@ -59,8 +59,8 @@ def test_cuda_bf16_masters(fraction):
 
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(capture(n))
-    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), **HP, offload_fraction=fraction,
-                                overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=fraction,
+                                overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
     opt.attach_model(model)
     names = [n for n, _ in model.named_parameters()]
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in model.named_parameters()}
@@ -94,8 +94,8 @@ def test_peak_gpu_memory_falls_with_fraction():
         with torch.device("cuda"):
             model = GPT(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=128, vocab_size=256)
         model = model.to(torch.bfloat16)
-        opt = HybridDeviceOptimizer(model.named_parameters(), lr=1e-4, offload_fraction=fraction,
-                                    overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+        opt = HybridDeviceOptimizer(model.named_parameters(), HybridOptions(lr=1e-4, offload_fraction=fraction,
+                                    overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
         opt.attach_model(model)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -158,10 +158,10 @@ def test_cuda_torch_ops_round_like_the_cpu_pass(beta1, grad_dtype):
 def test_gpu_wait_covers_a_slow_cpu_step(monkeypatch):
     """The GPU's waits at CPU-stepped units (CUDA events around each forward pre-hook's wait) measure a CPU step
     slowed on purpose: the tiny model's GPU work is a few ms, so the GPU stands still for most of the sleep."""
-    from engine.optim import cpu_side
+    from engine.optim import cpu_arith, cpu_side
 
     sleep_s = 0.05
-    step_fused, settle = cpu_side.CpuPart._step_fused, cpu_side.CpuPart._settle_waits
+    step_fused, settle = cpu_arith.FusedAdamW.step, cpu_side.CpuPart._settle_waits
     waits: list[float] = []
 
     def slow(self, *a, **kw):
@@ -172,7 +172,7 @@ def test_gpu_wait_covers_a_slow_cpu_step(monkeypatch):
         settle(self)
         waits.append(self.timing["gpu_wait_s"])
 
-    monkeypatch.setattr(cpu_side.CpuPart, "_step_fused", slow)
+    monkeypatch.setattr(cpu_arith.FusedAdamW, "step", slow)
     monkeypatch.setattr(cpu_side.CpuPart, "_settle_waits", spy)
     model = tiny_gpt(device="cuda")
     _, opt = run_hybrid(model, batches(4, micro=1, device="cuda"), max_norm=0.0, offload_fraction=1.0,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 from engine.optim.distributed import DistributedOptimizer
 from engine.optim.protocol import EngineOptimizer, TorchOptimizer, as_engine_optimizer, decide, unscale_and_clip_
 
@@ -27,7 +27,7 @@ def backward(m: nn.Module, scale: float = 1.0) -> None:
 
 
 def hybrid(m: nn.Module) -> HybridDeviceOptimizer:
-    return HybridDeviceOptimizer(m.named_parameters(), lr=0.1, offload_fraction=0.5)
+    return HybridDeviceOptimizer(m.named_parameters(), HybridOptions(lr=0.1, offload_fraction=0.5))
 
 
 def distributed(m: nn.Module) -> DistributedOptimizer:  # one process: the whole model is this rank's shard
@@ -141,9 +141,11 @@ def test_unscale_and_clip_is_clip_grad_norm_bit_for_bit():
 def test_cpu_offload_counts_what_moves(dtype, micro, fp32_sums, per_param):
     """The summary's figures (EngineOptimizer.cpu_offload), by parameter, against the bytes each part holds."""
     m = model().to(dtype)
-    opt = HybridDeviceOptimizer(m.named_parameters(), lr=0.1, offload_fraction=1.0, accumulate_grads_in_fp32=fp32_sums)
+    opt = HybridDeviceOptimizer(
+        m.named_parameters(), HybridOptions(lr=0.1, offload_fraction=1.0, accumulate_grads_in_fp32=fp32_sums)
+    )
     n = sum(p.numel() for p in m.parameters())
     assert opt.cpu_offload(micro) == (n, n, per_param[0] * n, per_param[1] * n)
-    none = HybridDeviceOptimizer(m.named_parameters(), lr=0.1, offload_fraction=0.0)
+    none = HybridDeviceOptimizer(m.named_parameters(), HybridOptions(lr=0.1, offload_fraction=0.0))
     assert none.cpu_offload(micro) is None and as_engine_optimizer(torch.optim.SGD(m.parameters(), lr=0.1)).cpu_offload(
         micro) is None  # fmt: skip

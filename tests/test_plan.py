@@ -14,7 +14,7 @@ import engine
 from engine import offload
 from engine.config import load_config
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 from engine.plan import planner, resolve
 from engine.plan_activations import gpt_activations
 from engine.plan_auto import NothingFits
@@ -121,7 +121,7 @@ def test_plan_equals_hand_computed_bytes(precision, params_dtype, fraction, gbs)
     # which parameters the CPU steps: what the hybrid optimizer itself chooses for this model
     torch.manual_seed(0)
     model = GPT(num_layers=L, hidden_size=h, num_attention_heads=heads, seq_length=s, vocab_size=V)
-    opt = HybridDeviceOptimizer(list(model.named_parameters()), lr=1e-3, offload_fraction=fraction)
+    opt = HybridDeviceOptimizer(list(model.named_parameters()), HybridOptions(lr=1e-3, offload_fraction=fraction))
     opt.attach_model(model)
     cpu = sum(model.get_parameter(n).numel() for n in opt.cpu_names)
     opt.close()

@@ -27,7 +27,7 @@ from engine.bench import no_cuda
 from engine.build import named_parameter_groups
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 
 COMMAND = "bin/bench optimizer"
 # ours+assist: cpu_offload_gpu_assist=true (the GPU steps some host-resident units); ours+torch-cpu:
@@ -50,10 +50,11 @@ def _groups(model: torch.nn.Module, wd: float, named: bool) -> list[dict]:
 def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
     """The optimizer and its step(max_norm) -> None."""
     if kind in OURS:
-        opt = HybridDeviceOptimizer(_groups(model, a.weight_decay, True), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+        opt = HybridDeviceOptimizer(_groups(model, a.weight_decay, True), HybridOptions(
+                                    lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                                     offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
                                     cpu_threads=a.cpu_threads, gpu_assist=kind == "ours+assist",
-                                    use_torch_optimizer_for_cpu_offload=kind == "ours+torch-cpu")  # fmt: skip
+                                    use_torch_optimizer_for_cpu_offload=kind == "ours+torch-cpu"))  # fmt: skip
         opt.attach_model(model)
         return opt, lambda: opt.clip_and_step(a.clip_grad)[0]
     from engine import megatron

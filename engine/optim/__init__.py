@@ -2,6 +2,7 @@
 interface the Engine steps through (protocol.py)."""
 
 from engine.optim.hybrid import HybridDeviceOptimizer
+from engine.optim.options import HybridOptions
 from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
 
-__all__ = ["EngineOptimizer", "HybridDeviceOptimizer", "as_engine_optimizer"]
+__all__ = ["EngineOptimizer", "HybridDeviceOptimizer", "HybridOptions", "as_engine_optimizer"]

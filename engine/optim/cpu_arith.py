@@ -1,5 +1,8 @@
 """The CPU part's arithmetic: what one step computes on the host, apart from where tensors live and when.
 
+`CpuArith` is the one interface cpu_side.py steps through: step a unit in place (`step_unit`), and, where
+`speculates`, step it out of place into a spare (`guess`); the states it owns itself (torch.optim's) travel
+through `export`/`load` and are counted by `tensors`. Two implementations:
 FusedAdamW        the engine's AdamW over flat fp32 tensors: the compiled pass (fused_kernel) in slices on
                   worker threads (ctypes releases the GIL), or torch's single-tensor ops where it did not
                   build. In place or out of place (the speculative step), with the half weights written in
@@ -13,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.optim import fused_kernel
-from engine.optim.adam_math import Hyper, adamw_torch_, apply_hypers
+from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
+from engine.optim.host_state import HostState
 
 _MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -43,13 +48,79 @@ class TensorStep:
         return self.p_out is self.p
 
 
+@dataclass(frozen=True)
+class UnitStep:
+    """One unit's in-place step: the names of `unit` that have a gradient, with the step's settings."""
+
+    unit: str
+    names: list[str]
+    grads: dict[str, torch.Tensor]  # name -> host staging view (any float dtype)
+    hypers: list[Hyper]  # by param group
+    inv_scale: float
+    coef: float  # the clip factor
+    half: dict[str, torch.Tensor] | None  # where the half weights go (None: fp32 weights travel from the master)
+
+
+class CpuArith(Protocol):
+    lib: object | None  # the compiled pass, when it runs the step
+    speculates: bool  # steps out of place (guess) for the speculative step
+
+    def step_unit(self, s: UnitStep) -> None: ...
+
+    def guess(self, unit: str, names: list[str], grads: dict[str, torch.Tensor],
+              out: dict[str, tuple[torch.Tensor, ...]], half: dict[str, torch.Tensor] | None,
+              hypers: list[Hyper]) -> None: ...  # fmt: skip
+
+    def export(self, name: str) -> dict[str, torch.Tensor]: ...
+
+    def load(self, name: str, st: dict) -> None: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
 class FusedAdamW:
-    def __init__(self, lib, threads: int, initializer: Callable[[], None] | None = None) -> None:
+    """The engine's AdamW over the host state's flat tensors (which it does not own)."""
+
+    speculates = True
+
+    def __init__(self, lib, threads: int, host: HostState, group_of: dict[str, int],
+                 initializer: Callable[[], None] | None = None) -> None:  # fmt: skip
         """lib: fused_kernel.load()'s library, or None for torch's ops. initializer: run by each worker
         thread as it starts (affinity.py binds it to a core)."""
         self.lib = lib
         self.threads = threads
+        self.host = host
+        self.group_of = group_of
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adam", initializer=initializer)
+
+    def _scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple[float, ...]:
+        return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
+
+    def step_unit(self, s: UnitStep) -> None:
+        self.step([
+            TensorStep(p, m, v, s.grads[n], p, m, v, s.half[n] if s.half else None,
+                       self._scalars(n, s.hypers, s.inv_scale, s.coef))
+            for n in s.names for p, m, v in [self.host.state(n)]
+        ])  # fmt: skip
+
+    def guess(self, unit, names, grads, out, half, hypers) -> None:
+        """Step `names` out of place into `out` (name -> (p, m, v)), as if unclipped and unscaled."""
+        self.step([
+            TensorStep(*self.host.state(n), grads[n], *out[n], half[n] if half else None,
+                       self._scalars(n, hypers, 1.0, 1.0))
+            for n in names
+        ])  # fmt: skip
+
+    def export(self, name: str) -> dict[str, torch.Tensor]:
+        return {}  # its states are the host state's
+
+    def load(self, name: str, st: dict) -> None:
+        pass
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
 
     def step(self, steps: list[TensorStep]) -> None:
         futs: list[Future] = []
@@ -75,9 +146,16 @@ class FusedAdamW:
 
 
 class TorchOptimizers:
-    def __init__(self, kind: str, units: dict[str, list[str]], master: dict[str, torch.Tensor],
-                 group_of: dict[str, int]) -> None:  # fmt: skip
-        """master: name -> its fp32 master (1-D), stepped in place; these tensors key the optimizers' states."""
+    """torch.optim on the host masters; it owns its states (exported and loaded by name)."""
+
+    lib = None
+    speculates = False
+
+    def __init__(self, kind: str, host: HostState, group_of: dict[str, int]) -> None:
+        """The host state's masters are stepped in place; these tensors key the optimizers' states."""
+        units = host.layout.units
+        master = {n: host.state(n)[0] for n in host.layout.unit_of}
+        self.host = host
         self.kind = kind
         self.units = units
         self.master = master
@@ -93,19 +171,15 @@ class TorchOptimizers:
             else:
                 self.opt[u] = torch.optim.SGD(groups, lr=0.0, momentum=0.0)
 
-    def step(
-        self,
-        unit: str,
-        names: list[str],
-        grads: dict[str, torch.Tensor],
-        scratch: dict[str, torch.Tensor],
-        hypers: list[Hyper],
-        inv_scale: float,
-        coef: float,
-        half_out: dict[str, torch.Tensor] | None,
-    ) -> None:
-        """Step `names` (those of `unit` that have a gradient): each gradient goes through its fp32 view in
-        scratch, unscaled and clipped as the GPU side does; half_out, when given, receives the half weights."""
+    def guess(self, unit, names, grads, out, half, hypers) -> None:
+        raise NotImplementedError("torch.optim steps in place only")
+
+    def step_unit(self, s: UnitStep) -> None:
+        """Each gradient goes through its fp32 view in the host's scratch, unscaled and clipped as the GPU side
+        does; s.half, when given, receives the half weights."""
+        unit, names, grads, hypers, inv_scale, coef, half_out = (s.unit, s.names, s.grads, s.hypers, s.inv_scale,
+                                                                 s.coef, s.half)  # fmt: skip
+        scratch = self.host.layout.views(self.host.scratch, unit)
         for n in self.units[unit]:
             self.master[n].grad = None  # a parameter without a gradient this step is not stepped
         for n in names:
@@ -123,11 +197,13 @@ class TorchOptimizers:
             if half_out is not None:
                 half_out[n].copy_(self.master[n])
 
-    def export(self, name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
+    def export(self, name: str) -> dict[str, torch.Tensor]:
+        shape = self.host.layout.shape[name]
         s = self.opt[self.unit_of[name]].state.get(self.master[name], {})
         return {k: s[k].view(shape).clone() for k in _STATE_KEYS if torch.is_tensor(s.get(k))}
 
-    def load(self, name: str, st: dict, step: int) -> None:
+    def load(self, name: str, st: dict) -> None:
+        step = int(st["step"])
         new = {k: st[k].reshape(-1).clone().float() for k in _STATE_KEYS if k in st}
         if self.kind == "adam" and new:
             new["step"] = torch.tensor(float(step), dtype=torch.float32)

@@ -37,8 +37,8 @@ import torch
 
 from engine.config_rules import assist_needs_engine_adamw
 from engine.optim import affinity, fused_kernel
-from engine.optim.adam_math import Hyper, adamw_scalars
-from engine.optim.cpu_arith import FusedAdamW, TensorStep, TorchOptimizers
+from engine.optim.adam_math import Hyper
+from engine.optim.cpu_arith import CpuArith, FusedAdamW, TorchOptimizers, UnitStep
 from engine.optim.cpu_transfer import Transfers
 from engine.optim.gpu_assist import GpuAssist
 from engine.optim.host_buffers import FlatViews
@@ -165,7 +165,7 @@ class CpuPart:
         if gpu_assist and (why := assist_needs_engine_adamw(kind, use_torch)) is not None:
             raise ValueError(f"gpu_assist=True {why}")
         with_torch = use_torch or kind != "adam"
-        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0)
+        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0)  # FusedAdamW guesses
         # the assist copies master, m and v both ways: pinned, or the copies run at pageable speed;
         # fp32 weights travel back from the master itself, so it is the pinned buffer then
         pin_states = gpu_assist and self.cuda
@@ -179,12 +179,11 @@ class CpuPart:
             for n, p in self.params.items():
                 self.host.state(n)[0].copy_(p.detach().reshape(-1))
         workers_init, driver_init = affinity.initializers(pin_threads)
-        self.arith: FusedAdamW | TorchOptimizers
+        self.arith: CpuArith
         if with_torch:
-            masters = {n: self.host.state(n)[0] for n in self.params}
-            self.arith = TorchOptimizers(kind, self.units, masters, self.group_of)
+            self.arith = TorchOptimizers(kind, self.host, self.group_of)
         else:
-            self.arith = FusedAdamW(fused_kernel.load(), threads, initializer=workers_init)
+            self.arith = FusedAdamW(fused_kernel.load(), threads, self.host, self.group_of, initializer=workers_init)
         self.hyper_source = hyper_source
         self.spec_ok = True  # speculate this step: the last one was not clipped
         self.q: queue.Queue[Speculate | Go | Stop] = queue.Queue()
@@ -217,12 +216,12 @@ class CpuPart:
     @property
     def lib(self):
         """The compiled AdamW pass, or None (torch's ops or torch.optim step the host part)."""
-        return self.arith.lib if isinstance(self.arith, FusedAdamW) else None
+        return self.arith.lib
 
     @property
     def inner(self) -> dict[str, torch.optim.Optimizer]:
         """unit -> its torch.optim optimizer, when torch.optim steps the host part (else empty)."""
-        return self.arith.opt if isinstance(self.arith, TorchOptimizers) else {}
+        return getattr(self.arith, "opt", {})
 
     @property
     def master(self) -> FlatViews:
@@ -307,9 +306,7 @@ class CpuPart:
 
     def host_bytes(self) -> int:
         """Bytes of the host tensors this part holds (walked, not counted): host_plan.cpu_side_host_bytes."""
-        held = self.host.tensors()
-        if isinstance(self.arith, TorchOptimizers):
-            held += self.arith.tensors()
+        held = self.host.tensors() + self.arith.tensors()
         return sum(t.numel() * t.element_size() for t in held)
 
     # ---- driver thread ----
@@ -362,11 +359,7 @@ class CpuPart:
         t = time.perf_counter()
         out = self.host.spare_views(spare, msg.unit)
         half = self.host.half_views(spare.half, msg.unit) if spare.half is not None else None
-        self._step_fused([
-            TensorStep(*self.host.state(n), msg.grads[n], *out[n], half[n] if half else None,
-                       adamw_scalars(hypers[self.group_of[n]], self.host.steps[n] + 1, 1.0, 1.0))
-            for n in names
-        ])  # fmt: skip
+        self.arith.guess(msg.unit, names, msg.grads, out, half, hypers)
         return Guess(spare, {n: hypers[self.group_of[n]] for n in names}), time.perf_counter() - t
 
     def _commit(self, unit: str, todo: list[str], step: _Step) -> bool:
@@ -398,16 +391,7 @@ class CpuPart:
                 if not self._commit(u, todo, step):
                     slot = self.host.take_ring() if self.host.ring else None
                     half = self.host.half_views(slot.half, u) if slot is not None else None
-                    if isinstance(self.arith, TorchOptimizers):
-                        scratch = self.layout.views(self.host.scratch, u)
-                        self.arith.step(u, todo, go.grads, scratch, go.hypers, go.inv_scale, go.coef, half)
-                    else:
-                        self._step_fused([
-                            TensorStep(p, m, v, go.grads[n], p, m, v, half[n] if half else None,
-                                       adamw_scalars(go.hypers[self.group_of[n]], self.host.steps[n] + 1,
-                                                     go.inv_scale, go.coef))
-                            for n in todo for p, m, v in [self.host.state(n)]
-                        ])  # fmt: skip
+                    self.arith.step_unit(UnitStep(u, todo, go.grads, go.hypers, go.inv_scale, go.coef, half))
                     compute += time.perf_counter() - t
                     ev = self._upload(u, todo, half if half is not None else self._masters(todo), go.bwd_done)
                     if slot is not None:
@@ -437,10 +421,6 @@ class CpuPart:
             self.ready[u].set()
         return assisted
 
-    def _step_fused(self, steps: list[TensorStep]) -> None:
-        """The engine's AdamW on the CPU threads (in place, or out of place for a guess)."""
-        self.arith.step(steps)
-
     def _masters(self, names: list[str]) -> dict[str, torch.Tensor]:
         return {n: self.host.state(n)[0] for n in names}
 
@@ -450,15 +430,11 @@ class CpuPart:
 
     # ---- state (called with no step in flight) ----
     def export(self, name: str) -> dict:
-        st = self.host.export(name)
-        if isinstance(self.arith, TorchOptimizers):
-            st.update(self.arith.export(name, self.layout.shape[name]))
-        return st
+        return self.host.export(name) | self.arith.export(name)
 
     def load(self, name: str, st: dict) -> None:
         self.host.load(name, st)
-        if isinstance(self.arith, TorchOptimizers):
-            self.arith.load(name, st, int(st["step"]))
+        self.arith.load(name, st)
 
     def close(self) -> None:
         self.discard()

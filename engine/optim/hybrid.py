@@ -37,11 +37,11 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.optim import options
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_side import CpuPart
-from engine.optim.delayed import DEFAULT_WARMUP, DelayedUpdate
+from engine.optim.delayed import DelayedUpdate
 from engine.optim.gpu_side import GpuPart
+from engine.optim.options import HybridOptions, betas, number_in
 from engine.optim.partition import forward_order, split_for_offload, unit_of
 from engine.optim.protocol import CpuOffload, decide
 
@@ -91,70 +91,26 @@ def _named_groups(params) -> list[dict]:
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
-    def __init__(
-        self,
-        params: Iterable,
-        *,
-        optimizer: str = "adam",
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        offload_fraction: float = 0.0,
-        overlap_cpu_optimizer_d2h_h2d: bool = False,
-        pin_cpu_grads: bool = True,
-        pin_cpu_params: bool = True,
-        use_torch_optimizer_for_cpu_offload: bool = False,
-        cpu_threads: int | None = None,
-        pin_cpu_threads: bool = False,
-        accumulate_grads_in_fp32: bool = True,
-        delayed_param_update: bool = False,
-        delayed_param_update_warmup: int = DEFAULT_WARMUP,
-        gpu_assist: bool = False,
-        speculation_buffer_mb: int = 2048,
-    ) -> None:
-        kind = options.choice("optimizer", optimizer, ("adam", "sgd"))
-        fraction = options.number_in("offload_fraction", offload_fraction, 0.0, 1.0)
-        for name, val in (("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d),
-                          ("pin_cpu_grads", pin_cpu_grads), ("pin_cpu_params", pin_cpu_params),
-                          ("use_torch_optimizer_for_cpu_offload", use_torch_optimizer_for_cpu_offload),
-                          ("accumulate_grads_in_fp32", accumulate_grads_in_fp32),
-                          ("delayed_param_update", delayed_param_update), ("gpu_assist", gpu_assist),
-                          ("pin_cpu_threads", pin_cpu_threads)):  # fmt: skip
-            options.flag(name, val)
-        warmup = options.whole_number("delayed_param_update_warmup", delayed_param_update_warmup)
-        if delayed_param_update and fraction == 0:
-            raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "
-                             "update, and offload_fraction=0 steps nothing on the CPU; set "
-                             "optimizer.optimizer_offload_fraction > 0 or delayed_param_update=False")  # fmt: skip
-        if delayed_param_update and gpu_assist:
-            raise ValueError("delayed_param_update (optimizer.delayed_param_update) and gpu_assist "
-                             "(optimizer.cpu_offload_gpu_assist) do not combine: the assist writes the weights "
-                             "in place; set one of them to False")  # fmt: skip
-        defaults = dict(
-            lr=options.number_in("lr", lr, 0.0, None),
-            betas=options.betas(betas),
-            eps=options.number_in("eps", eps, 0.0, None, lo_open=True),
-            weight_decay=options.number_in("weight_decay", weight_decay, 0.0, None),
-            momentum=options.number_in("momentum", momentum, 0.0, 1.0),
-        )
-        threads = options.threads(cpu_threads) or default_cpu_threads()
-        spec_mb = options.whole_number("speculation_buffer_mb", speculation_buffer_mb)
+    def __init__(self, params: Iterable, options: HybridOptions) -> None:
+        """params: named_parameters() or groups of (name, parameter) pairs; options: validated when made."""
+        if not isinstance(options, HybridOptions):
+            raise TypeError(f"options must be a HybridOptions, got {type(options).__name__}")
+        o = options
         named_groups = _named_groups(params)
         for g in named_groups:  # per-group overrides are validated like the defaults
             for k in ("lr", "weight_decay", "eps"):
                 if k in g:
-                    options.number_in(k, g[k], 0.0, None, lo_open=(k == "eps"))
+                    number_in(k, g[k], 0.0, None, lo_open=(k == "eps"))
             if "betas" in g:
-                options.betas(g["betas"])
-        super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in named_groups], defaults)
-
+                betas(g["betas"])
+        super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in named_groups], o.defaults())
+        self.options = o
+        kind = o.optimizer
         self.kind = kind
-        self.offload_fraction = fraction
-        self.overlap = overlap_cpu_optimizer_d2h_h2d
-        self.accumulate_grads_in_fp32 = accumulate_grads_in_fp32
-        self.delayed = DelayedUpdate(warmup) if delayed_param_update else None
+        self.offload_fraction = o.offload_fraction
+        self.overlap = o.overlap_cpu_optimizer_d2h_h2d
+        self.accumulate_grads_in_fp32 = o.accumulate_grads_in_fp32
+        self.delayed = DelayedUpdate(o.delayed_param_update_warmup) if o.delayed_param_update else None
         self.last_step_delayed = False  # the last step's CPU update lands one step late (metrics record it)
         self.names: list[str] = []
         self.params_by_name: dict[str, torch.nn.Parameter] = {}
@@ -167,9 +123,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.params_by_name[n] = p
                 group_of[n] = gi
         self._group_of = group_of
-        self._side_options = dict(kind=kind, use_torch=use_torch_optimizer_for_cpu_offload, pin_grads=pin_cpu_grads,
-                                  pin_params=pin_cpu_params, threads=threads, gpu_assist=gpu_assist,
-                                  speculation_buffer_bytes=spec_mb << 20, pin_threads=pin_cpu_threads)  # fmt: skip
+        self._side_options = dict(kind=kind, use_torch=o.use_torch_optimizer_for_cpu_offload,
+                                  pin_grads=o.pin_cpu_grads, pin_params=o.pin_cpu_params,
+                                  threads=o.cpu_threads or default_cpu_threads(), gpu_assist=o.gpu_assist,
+                                  speculation_buffer_bytes=o.speculation_buffer_mb << 20,
+                                  pin_threads=o.pin_cpu_threads)  # fmt: skip
         self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
         self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
         self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
@@ -275,8 +233,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """torch.optim's step (no closure): clip_and_step's update, unclipped unless max_norm is given."""
         if closure is not None:
             raise ValueError("HybridDeviceOptimizer.step does not take a closure")
-        max_norm = options.number_in("max_norm", max_norm, 0.0, None)
-        grad_scale = options.number_in("grad_scale", grad_scale, 0.0, None, lo_open=True)
+        max_norm = number_in("max_norm", max_norm, 0.0, None)
+        grad_scale = number_in("grad_scale", grad_scale, 0.0, None, lo_open=True)
         self._build()
         if self.cpu is not None:
             for n in self.names:

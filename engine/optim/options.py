@@ -1,9 +1,13 @@
-"""Validation of HybridDeviceOptimizer's options: each bad value raises ValueError naming the option,
-its config key, the value and the valid range, so the optimizer is safe to build on its own."""
+"""HybridDeviceOptimizer's options as one object, validated once where it is made: each bad value raises
+ValueError naming the option, its config key, the value and the valid range, so the optimizer is safe to build
+on its own (the engine builds `HybridOptions` from the config; tests and tools build it directly)."""
 
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
+
+from engine.optim.delayed import DEFAULT_WARMUP
 
 # constructor argument -> config key a user of the engine would set
 CONFIG_KEY = {
@@ -16,6 +20,8 @@ CONFIG_KEY = {
     "cpu_threads": "optimizer.cpu_optimizer_threads",
     "speculation_buffer_mb": "optimizer.speculation_buffer_mb",
     "delayed_param_update_warmup": "optimizer.delayed_param_update_warmup",
+    "gpu_assist": "optimizer.cpu_offload_gpu_assist",
+    "delayed_param_update": "optimizer.delayed_param_update",
 }
 
 
@@ -69,3 +75,59 @@ def whole_number(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise _fail(name, value, "an integer >= 0")
     return value
+
+
+_FLAGS = ("overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload",
+          "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """Everything HybridDeviceOptimizer is told besides its parameters (per-group lr, weight_decay, eps and betas
+    in the param groups override the first five). cpu_threads None: the cores this process may use, minus one."""
+
+    lr: float
+    optimizer: str = "adam"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    offload_fraction: float = 0.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    use_torch_optimizer_for_cpu_offload: bool = False
+    cpu_threads: int | None = None
+    pin_cpu_threads: bool = False
+    accumulate_grads_in_fp32: bool = True
+    delayed_param_update: bool = False
+    delayed_param_update_warmup: int = DEFAULT_WARMUP
+    gpu_assist: bool = False
+    speculation_buffer_mb: int = 2048
+
+    def __post_init__(self) -> None:
+        choice("optimizer", self.optimizer, ("adam", "sgd"))
+        number_in("offload_fraction", self.offload_fraction, 0.0, 1.0)
+        for name in _FLAGS:
+            flag(name, getattr(self, name))
+        whole_number("delayed_param_update_warmup", self.delayed_param_update_warmup)
+        whole_number("speculation_buffer_mb", self.speculation_buffer_mb)
+        threads(self.cpu_threads)
+        number_in("lr", self.lr, 0.0, None)
+        object.__setattr__(self, "betas", betas(self.betas))
+        number_in("eps", self.eps, 0.0, None, lo_open=True)
+        number_in("weight_decay", self.weight_decay, 0.0, None)
+        number_in("momentum", self.momentum, 0.0, 1.0)
+        if self.delayed_param_update and self.offload_fraction == 0:
+            raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "
+                             "update, and offload_fraction=0 steps nothing on the CPU; set "
+                             "optimizer.optimizer_offload_fraction > 0 or delayed_param_update=False")  # fmt: skip
+        if self.delayed_param_update and self.gpu_assist:
+            raise ValueError("delayed_param_update (optimizer.delayed_param_update) and gpu_assist "
+                             "(optimizer.cpu_offload_gpu_assist) do not combine: the assist writes the weights "
+                             "in place; set one of them to False")  # fmt: skip
+
+    def defaults(self) -> dict:
+        """torch.optim's defaults for the param groups."""
+        return dict(lr=float(self.lr), betas=self.betas, eps=float(self.eps), weight_decay=float(self.weight_decay),
+                    momentum=float(self.momentum))  # fmt: skip
