@@ -141,13 +141,14 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
         _lock_run_files(cfg, stack)
         load = _checkpoint_to_load(cfg)
         stop = stack.enter_context(GracefulStop())
-        eng, _, _ = initialize(config=cfg, memory_budgets=budgets)
-        resumed = None
-        if load:
-            eng.load_checkpoint(load)
-            resumed = {"checkpoint": str(checkpoint.resolve(load)), "iteration": eng.iteration}
-            dist.log(f"resumed from {load} at iteration {eng.iteration}")
-        eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
+        with stop.aborting():  # a signal while building, planning or loading stops at once: nothing to save yet
+            eng, _, _ = initialize(config=cfg, memory_budgets=budgets)
+            resumed = None
+            if load:
+                eng.load_checkpoint(load)
+                resumed = {"checkpoint": str(checkpoint.resolve(load)), "iteration": eng.iteration}
+                dist.log(f"resumed from {load} at iteration {eng.iteration}")
+            eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
         tensorboard = cfg.logging.tensorboard_dir if dist.is_main() else None
         log = MetricsLog(dist.rank_path(cfg.logging.metrics_file), run_header(cfg.to_dict(), resumed), tensorboard)
         stack.callback(log.close)

@@ -259,6 +259,57 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert proc.returncode == 143 and err.strip() == "SIGTERM again: exiting now, without saving"
 
 
+def _started(script: str, marker: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    assert proc.stdout.readline() == marker + "\n", proc.stderr.read()
+    return proc
+
+
+def test_a_signal_during_initialize_stops_at_once_saving_nothing(tmp_path):
+    """bin/train gets SIGTERM while initialize is still working (planning a deep model: minutes of Python): it
+    stops there, saves nothing, exits 143 with one line. The stand-in initialize never finishes on its own."""
+    args = [*TINY, "train.train_iters=5", f"checkpoint.save={tmp_path / 'ck'}", "logging.metrics_file=null"]
+    script = (
+        "import sys, time, engine.cli as cli\n"
+        "def initialize(*a, **k):\n"
+        "    print('initializing', flush=True)\n"
+        "    while True:\n"
+        "        sum(range(1000))\n"
+        f"cli.initialize = initialize\nsys.exit(cli.train_main({args!r}))\n"
+    )
+    proc = _started(script, "initializing")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["stopped by SIGTERM before the first iteration: nothing saved"]
+    assert not list((tmp_path / "ck").glob("iter_*"))
+
+
+def test_a_second_signal_exits_at_once_inside_a_long_torch_operation():
+    """The first SIGTERM arrives while one torch call runs (hours of matrix products, holding the main thread
+    in C++ where no Python handler can run); the second ends the process at once all the same."""
+    script = ("import torch, engine.signals as s\ntorch.set_num_threads(1)\n"
+              "a = torch.eye(1500, dtype=torch.float64)\n"
+              "with s.GracefulStop():\n    print('ready', flush=True)\n"
+              "    torch.linalg.matrix_power(a, 10**15)\n    print('finished', flush=True)\n")  # fmt: skip
+    proc = _started(script, "ready")
+    try:
+        time.sleep(0.5)  # inside the call by now
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the first one only asks the loop to stop
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip() == "SIGTERM again: exiting now, without saving"
+    assert "finished" not in out
+
+
 # --- data and config errors: one line naming the key, the file and the value --------------------------------
 
 
