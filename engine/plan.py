@@ -60,7 +60,11 @@ def planner(
     # the ranks of one machine share its host memory
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     host = host_budget_bytes if host_budget_bytes is not None else budget.host_available() // local
-    if model is None:
+    if model is None and cfg.model.implementation == "megatron":
+        from engine.plan_megatron import megatron_census
+
+        census = megatron_census(cfg, cuda=cuda)
+    elif model is None:
         census = builtin_census(cfg, cuda=cuda)
     else:
         census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input)

@@ -113,8 +113,8 @@ def builtin_census(cfg: Config, *, cuda: bool, num_layers: int | None = None) ->
                            precision=t.precision, params_dtype=t.params_dtype, recompute=m.recompute_granularity,
                            cuda=cuda)  # fmt: skip
     notes = []
-    if m.implementation == "megatron" or m.use_te:
-        notes.append("megatron-core / Transformer Engine layers are planned as the built-in GPT of the same shape")
+    if m.use_te:
+        notes.append("Transformer Engine layers are planned as the built-in GPT's of the same shape")
     return Census(
         named=[(n, Sized(by_name[n].numel())) for n in order],
         layer_of={n: _layer_index(n) for n in order},

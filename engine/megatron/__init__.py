@@ -21,7 +21,14 @@ from engine.extras import (
     te_available,
     version,
 )
-from engine.megatron.gpt import MegatronGPT, as_engine_module, build_gpt, is_gpt_model, transformer_config
+from engine.megatron.gpt import (
+    MegatronGPT,
+    as_engine_module,
+    build_gpt,
+    is_gpt_model,
+    meta_gpt,
+    transformer_config,
+)
 from engine.megatron.optimizer import (
     MegatronOptimizerAdapter,
     build_hybrid_optimizer,
@@ -42,6 +49,7 @@ __all__ = [
     "ensure_model_parallel",
     "is_gpt_model",
     "megatron_param_groups",
+    "meta_gpt",
     "require",
     "require_te",
     "te_available",

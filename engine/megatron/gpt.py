@@ -177,8 +177,6 @@ def build_gpt(
             "recompute saves and restores CUDA RNG states; set model.recompute_granularity=null on CPU"
         )
     ensure_model_parallel(seed=1234 if seed is None else seed, device=dev)
-    from megatron.core.models.gpt import GPTModel
-
     init_seed = draw_seed() if seed is None else seed
     spec = layer_spec(use_te, core_attention, dev)
     if use_te:
@@ -188,17 +186,7 @@ def build_gpt(
                             **config_overrides}  # fmt: skip
     else:
         spec = _with_torch_final_norm(spec, model_cfg.num_layers)
-    config = transformer_config(model_cfg, **config_overrides)
-    with torch.device(dev if use_te else "meta"):
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=model_cfg.vocab_size,
-            max_sequence_length=model_cfg.seq_length,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-        )
-    model = MegatronGPT(gpt)
+    model = MegatronGPT(_gpt_model(model_cfg, spec, dev if use_te else torch.device("meta"), **config_overrides))
     if use_te:
         model.to(dtype)  # the few torch modules megatron-core builds in fp32 (the position embedding)
         model.init_from_seed(init_seed)
@@ -207,6 +195,31 @@ def build_gpt(
         materialize(model, dev, dtype, init_seed)
     log.info("megatron: built GPTModel with %d layers (%s spec)", model_cfg.num_layers, "te" if use_te else "local")
     return model
+
+
+def _gpt_model(model_cfg: Any, spec: Any, device: torch.device, **config_overrides: Any) -> nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    with torch.device(device):
+        return GPTModel(
+            config=transformer_config(model_cfg, **config_overrides),
+            transformer_layer_spec=spec,
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=model_cfg.seq_length,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="learned_absolute",
+        )
+
+
+def meta_gpt(model_cfg: Any, *, seed: int = 1234, device: torch.device | str = "cpu") -> MegatronGPT:
+    """The local-spec GPTModel of `model_cfg` on the meta device (names and shapes, no storage), for the memory
+    plan. The Transformer Engine spec has the same elements: TE fuses each norm into the linear after it.
+    `device` and `seed`: the run's, for megatron's parallel state if this sets it up first (build_gpt keeps it)."""
+    require("model.implementation='megatron'")
+    ensure_model_parallel(seed=seed, device=device)
+    cpu = torch.device("cpu")
+    spec = _with_torch_final_norm(layer_spec(False, "sdpa", cpu), model_cfg.num_layers)
+    return MegatronGPT(_gpt_model(model_cfg, spec, torch.device("meta")))
 
 
 def is_gpt_model(model: nn.Module) -> bool:
