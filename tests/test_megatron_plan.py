@@ -128,3 +128,22 @@ def test_initialize_plans_and_trains_megatron_with_auto_activation_and_optimizer
 def test_megatron_offload_rules_use_megatrons_messages(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"model": dict(SHAPE)}, overrides)
+
+
+def test_bench_scale_runs_megatron_against_its_fitting_twin(tmp_path, monkeypatch):
+    import json
+
+    from engine.bench import scale
+
+    built = []
+    real = megatron.build_gpt
+    monkeypatch.setattr(megatron, "build_gpt", lambda m, **kw: built.append(m.num_layers) or real(m, **kw))
+    out = tmp_path / "scale.json"
+    argv = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2", "--iters",
+            "2", "--warmup", "1", "--data-bytes", "100000", "--device", "cpu", "--rows", "fit,exact",
+            "--implementation", "megatron", "--json", str(out)]  # fmt: skip
+    assert scale.main(argv) == 0
+    assert built == [1, 2]  # the twin and the deep model, both megatron-core's
+    rows = {r["name"]: r for r in json.load(open(out))["rows"]}
+    assert rows["fit"]["fraction"] == 0.0 and rows["exact"]["fraction"] > 0
+    assert all(len(r["losses"]) == 3 and r["iter_ms"] > 0 for r in rows.values())

@@ -230,7 +230,12 @@ def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float | st
     device = torch.device(a.device)
     t0 = time.perf_counter()
     cfg = _config(a, shape, fraction, dpu, overrides, pin=pin)
-    eng, _, _ = initialize(model=_model(shape, device, a.seed), config=cfg)
+    if a.implementation == "megatron":  # megatron-core's GPTModel, built by the engine on the device in bf16
+        cfg["model"].update(implementation="megatron", use_te=a.te)
+        torch.manual_seed(a.seed)
+        eng, _, _ = initialize(config=cfg)
+    else:
+        eng, _, _ = initialize(model=_model(shape, device, a.seed), config=cfg)
     row.setup_s = time.perf_counter() - t0
     row.fraction = float(eng.config.optimizer.optimizer_offload_fraction)  # "auto" resolved by the plan
     row.dpu = bool(eng.config.optimizer.delayed_param_update)
@@ -332,6 +337,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: tiny shapes only (tests)")
+    ap.add_argument("--implementation", choices=["builtin", "megatron"], default="builtin",
+                    help="model.implementation of every row: megatron builds megatron-core's GPTModel")  # fmt: skip
+    ap.add_argument("--te", action="store_true", help="model.use_te=true (Transformer Engine layers; CUDA only)")
     ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
     ap.add_argument("--dpu-warmup", type=int, default=2, help="optimizer.delayed_param_update_warmup of the dpu row")
     ap.add_argument(
