@@ -17,11 +17,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine import checkpoint, dist, locks, preflight, signals
-from engine.budget import Budgets, parse_gib, peak_rss_bytes
+from engine import checkpoint, dist, locks, signals
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
 from engine.metrics import MetricsLog, format_bytes, run_header
+from engine.planning import preflight
+from engine.planning.budget import Budgets, parse_gib, peak_rss_bytes
 from engine.resources import config_file, data_path
 from engine.signals import GracefulStop, Stopped
 from engine.skips import TrainingDiverged
@@ -56,8 +57,8 @@ def _budgets(args: argparse.Namespace) -> Budgets:
 
 def show_plan(cfg: Config, budgets: Budgets, as_json: bool) -> int:
     """`bin/train CONFIG --plan [--json]`: the plan, "auto" resolved; exit 2 (one line) when it does not fit."""
-    from engine.plan import NothingFits, format_plan, planner, resolve
-    from engine.preflight import refusal
+    from engine.planning import NothingFits, format_plan, planner, resolve
+    from engine.planning.preflight import refusal
 
     p = planner(cfg, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes)
     try:

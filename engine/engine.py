@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras, preflight, report, user_model
+from engine import checkpoint, dist, extras, report, user_model
 from engine.batch import BatchLoss, takes_labels
-from engine.budget import Budgets
-from engine.build import build_model, build_optimizer, named_parameter_groups, place_model
-from engine.config import Config, load_config
+from engine.build import build_model, build_optimizer, place_model
+from engine.config import Config, check_world_size, load_config
 from engine.data import TokenBatches, load_tokens
 from engine.optim.distributed import DistributedOptimizer
+from engine.optim.param_groups import named_parameter_groups
 from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
+from engine.planning import preflight
+from engine.planning.budget import Budgets
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.schedule import WarmupDecayLR
 from engine.skips import SkippedSteps
@@ -298,7 +300,7 @@ def initialize(
     config's schedule applied to each group's own lr. `loss_fn(output, labels)` turns the model's output into
     the loss; without it the output's own loss is used (HF: `labels` in the batch), see engine.batch. Before
     anything large is allocated the memory plan resolves "auto" values and refuses what cannot fit
-    (engine.preflight; memory_budgets: plan against other budgets than this machine's).
+    (engine.planning.preflight; memory_budgets: plan against other budgets than this machine's).
     """
     in_hand = model is not None  # its shape comes from the model; the built-in GPT's model.* keys are refused
     if isinstance(config, Config) and not overrides and not in_hand:
@@ -307,7 +309,9 @@ def initialize(
         cfg = load_config(config or {}, list(overrides), model_in_hand=in_hand)
     if in_hand:
         user_model.check(model, cfg.model)  # model.* against the model in hand, before anything is allocated
-    world = dist.setup_for(cfg)  # joins torchrun's process group; a no-op for one process
+    world = dist.setup(cfg.train.device)  # joins torchrun's process group; a no-op for one process
+    if world > 1:  # the rules that read the data-parallel size, at the size the group has
+        check_world_size(cfg, world)
     device = _pick_device(cfg.train.device)
     cfg = preflight.check(cfg, model, device, world, memory_budgets)  # "auto" resolved; refuses what cannot fit
     torch.manual_seed(cfg.train.seed)

@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig, section_properties
-from engine.config_rules import BUILTIN_ONLY_KEYS
+from engine.config.rules import BUILTIN_ONLY_KEYS
 from engine.models.gpt import GPT
 from engine.offload.discovery import describe_stacks, find_layer_stacks
 

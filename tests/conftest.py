@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import engine
-from engine.config_rules import BUILTIN_ONLY_KEYS
+from engine.config.rules import BUILTIN_ONLY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ from engine.config import (
     parse_override,
     section_properties,
 )
-from engine.config_doc import END, START, main, render_markdown
+from engine.config.doc import END, START, main, render_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.json"))
@@ -84,7 +84,7 @@ def test_a_key_added_to_the_schema_is_a_typed_field(monkeypatch):
     """The dataclasses are derived from the schema: nothing else is edited when a key is added."""
     import copy as copy_module
 
-    from engine import config_schema
+    from engine.config import schema as config_schema
 
     schema = copy_module.deepcopy(load_schema())
     schema["properties"]["train"]["properties"]["new_knob"] = {"type": ["integer", "null"], "default": 3,
@@ -276,7 +276,7 @@ def test_section_of_wrong_type():
         ("model.optimizer_offload_fraction=0.5", "did you mean 'optimizer.optimizer_offload_fraction'?"),
         ("train.lr=0.1", "train.lr=0.1: unknown key; did you mean 'optimizer.lr'?"),
         ("modle.num_layers=2", "modle: unknown section; did you mean 'model'?"),
-        ("model.zzzzzz=1", "model.zzzzzz=1: unknown key; see the config reference (python -m engine.config_doc)"),
+        ("model.zzzzzz=1", "model.zzzzzz=1: unknown key; see the config reference (python -m engine.config.doc)"),
     ],
 )  # fmt: skip
 def test_unknown_key_did_you_mean(override, suggestion):
@@ -524,7 +524,7 @@ def test_rule_passes(overrides, dp, absent):
 
 def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
     """The built-in GPT and the CPU side check what the config's rules check, for callers without a config: one
-    text each (config_rules), so the two never drift apart."""
+    text each (engine.messages), so the two never drift apart."""
     from engine.models.gpt import GPT
     from engine.optim import HybridDeviceOptimizer, HybridOptions
 
@@ -562,7 +562,7 @@ def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():
 
 
 def test_world_size_rules_run_again_on_the_validated_config():
-    """dist.setup_for checks a loaded Config at the process group's size with the rules that read it, only those."""
+    """initialize checks a loaded Config at the process group's size with the rules that read it, only those."""
     from engine.config import check_world_size
 
     cfg = load_config({}, ["train.global_batch_size=8", "train.micro_batch_size=4"])

@@ -259,9 +259,9 @@ def test_memory_plan_counts_the_shadow_and_no_speculation():
     """The plan's GPU part `delayed_update_shadow` is the bytes of the shadow the optimizer really holds, and the
     host plan has no speculation spares (a delayed step does not speculate)."""
     import engine
-    from engine.build import named_parameter_groups
     from engine.config import load_config
     from engine.models.gpt import GPT
+    from engine.optim.param_groups import named_parameter_groups
 
     cfg = load_config(ENGINE)
     plan = engine.plan(cfg, gpu_budget_bytes=8 << 30, host_budget_bytes=8 << 30)

@@ -195,7 +195,7 @@ def test_single_process_needs_no_process_group(monkeypatch):
 
 
 def test_global_batch_is_checked_at_the_actual_world_size(monkeypatch, make_engine):
-    monkeypatch.setattr(dist.group, "setup", lambda *a, **k: 2)  # as if torchrun had started two ranks
+    monkeypatch.setattr(dist, "setup", lambda *a, **k: 2)  # as if torchrun had started two ranks
     with pytest.raises(engine.ConfigError, match=r"must be divisible by train.micro_batch_size \(4\) x "
                        r"data-parallel size \(2\) = 8"):  # fmt: skip
         make_engine(["train.global_batch_size=4", "train.micro_batch_size=4"])

@@ -189,8 +189,8 @@ def test_one_parameter_grouping_for_every_optimizer():
     same function with bare tensors."""
     from torch import nn
 
-    from engine.build import named_parameter_groups
     from engine.megatron.optimizer import megatron_param_groups
+    from engine.optim.param_groups import named_parameter_groups
 
     m = nn.Module()
     m.w, m.norm, m.scale = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(()))

@@ -78,8 +78,9 @@ def test_bad_arguments():
 def test_config_key_reaches_the_cpu_part():
     from optim_reference import tiny_gpt
 
-    from engine.build import build_optimizer, named_parameter_groups
+    from engine.build import build_optimizer
     from engine.config import load_config
+    from engine.optim.param_groups import named_parameter_groups
 
     model = tiny_gpt()
     for mb, spec in ((0, False), (1, True)):

@@ -15,10 +15,10 @@ from engine import offload
 from engine.config import load_config
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions
-from engine.plan import planner, resolve
-from engine.plan_activations import gpt_activations
-from engine.plan_auto import NothingFits
-from engine.plan_memory import GPU_MARGIN_FIXED, GPU_MARGIN_FRACTION, HOST_RUNTIME_CUDA, pool_bytes
+from engine.planning import planner, resolve
+from engine.planning.activations import gpt_activations
+from engine.planning.auto import NothingFits
+from engine.planning.memory import GPU_MARGIN_FIXED, GPU_MARGIN_FRACTION, HOST_RUNTIME_CUDA, pool_bytes
 
 GIB = 1 << 30
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import engine
-from engine import cli, preflight
-from engine.budget import Budgets, cgroup_available, meminfo, parse_gib, peak_rss_bytes
+from engine import cli
+from engine.planning import preflight
+from engine.planning.budget import Budgets, cgroup_available, meminfo, parse_gib, peak_rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "configs" / "13b-h200.json")

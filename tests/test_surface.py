@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import engine
-from engine.config_doc import render_markdown
+from engine.config.doc import render_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def test_readme_config_reference_is_generated_from_the_schema():
     readme = (ROOT / "README.md").read_text()
     assert render_markdown().strip() in readme
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.config_doc", "--check", str(ROOT / "README.md")],
+        [sys.executable, "-m", "engine.config.doc", "--check", str(ROOT / "README.md")],
         cwd=ROOT,
         capture_output=True,
         text=True,

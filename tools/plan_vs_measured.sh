@@ -6,7 +6,7 @@
 # then 3 training iterations of the same config. Printed last, one row per model:
 #   plan GPU peak (no margin) vs torch.cuda.max_memory_allocated, plan GPU total (with margin) vs
 #   torch.cuda.max_memory_reserved, plan host total vs the process's peak RSS.
-# Peak RSS is VmHWM from /proc/self/status of the training process itself (engine.budget.peak_rss_bytes,
+# Peak RSS is VmHWM from /proc/self/status of the training process itself (engine.planning.budget.peak_rss_bytes,
 # written into every metrics record as peak_host_rss_bytes): the high-water mark of its resident pages,
 # pinned buffers and the CUDA driver's host mappings included, the page cache of files excluded.
 # Usage, from the repo root on the device (carry .whl: the jsonschema wheels the engine needs there):

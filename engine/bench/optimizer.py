@@ -24,10 +24,10 @@ import time
 import torch
 
 from engine.bench import no_cuda
-from engine.build import named_parameter_groups
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions
+from engine.optim.param_groups import named_parameter_groups
 
 COMMAND = "bin/bench optimizer"
 # ours+assist: cpu_offload_gpu_assist=true (the GPU steps some host-resident units); ours+torch-cpu:

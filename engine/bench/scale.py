@@ -181,7 +181,7 @@ def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float | str) 
 
 def plan_fraction(a: argparse.Namespace, shape: Shape) -> float:
     """The memory plan's fraction (optimizer_offload_fraction="auto") for the offloaded shape on this machine."""
-    from engine.plan import plan
+    from engine.planning import plan
 
     cfg = _config(a, shape, 0.3, False, {"optimizer.optimizer_offload_fraction": "auto"})
     return float(plan(load_config(cfg)).fraction)
@@ -191,7 +191,7 @@ def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
     """--fraction as a number, or "auto": the memory plan's. Prints what the plan would choose either way."""
     try:
         planned = plan_fraction(a, shape)
-    except ValueError as e:  # engine.plan.NothingFits: no fraction fits this machine
+    except ValueError as e:  # engine.planning.NothingFits: no fraction fits this machine
         if a.fraction == "auto":
             raise SystemExit(f"{COMMAND}: --fraction auto: {e}") from None
         print(f"the memory plan finds no fitting fraction for {shape.layers} layers here ({e}); "

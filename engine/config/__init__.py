@@ -3,7 +3,7 @@
 schemas/engine.schema.json is the single source of truth for keys, types, ranges and defaults; the frozen
 dataclasses here are derived from it at import (a key added to the schema is a field, with its type and default,
 with nothing else to edit). ``load_config`` merges a JSON file or dict with Megatron-Bridge style dotted
-overrides, fills the schema's defaults, validates with jsonschema, runs the cross-field rules (config_rules.py:
+overrides, fills the schema's defaults, validates with jsonschema, runs the cross-field rules (engine/config/rules.py:
 the reference's constraints with its exact messages) and the NOT_BUILT table, and reports every problem at once
 in one ConfigError.
 """
@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 
-from engine import config_json
-from engine.config_rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked, rules_for  # noqa: F401
-from engine.config_schema import SCHEMA_PATH, load_schema, section_properties  # noqa: F401 - re-exported
-from engine.config_schema import plain as _plain
-from engine.config_schema import show as _show
+from engine.config import strict_json
+from engine.config.rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked, rules_for  # noqa: F401
+from engine.config.schema import SCHEMA_PATH, load_schema, section_properties  # noqa: F401 - re-exported
+from engine.config.schema import plain as _plain
+from engine.config.schema import show as _show
 
 # --- the typed config, derived from the schema ----------------------------------------------------------------
 
@@ -158,7 +158,7 @@ def _read_source(source: Any) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"{path}: cannot read config file: {e}"]) from None
     try:
-        data, problems = config_json.loads(text, str(path))  # duplicate keys, depth and sizes: errors
+        data, problems = strict_json.loads(text, str(path))  # duplicate keys, depth and sizes: errors
     except json.JSONDecodeError as e:
         raise ConfigError([f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}"]) from None
     if problems:
@@ -175,15 +175,15 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` -> (section, key, value); the value is JSON, True/False/None, else a string."""
     dotted, sep, value_text = text.partition("=")
     parts = [p.strip() for p in dotted.split(".")]
-    where = f"override {config_json.shorten(text)!r}"
+    where = f"override {strict_json.shorten(text)!r}"
     if not sep or len(parts) != 2 or not all(parts):
         raise ValueError(f"{where}: expected section.key=value (e.g. optimizer.optimizer_offload_fraction=0.5)")
-    if len(value_text) > config_json.MAX_STRING:
-        raise ValueError(f"{where}: a value of {len(value_text):,} characters; at most {config_json.MAX_STRING:,}")
+    if len(value_text) > strict_json.MAX_STRING:
+        raise ValueError(f"{where}: a value of {len(value_text):,} characters; at most {strict_json.MAX_STRING:,}")
     if value_text in _PYTHON_SPELLINGS:
         return parts[0], parts[1], _PYTHON_SPELLINGS[value_text]
     try:
-        value, problems = config_json.loads(value_text, where)
+        value, problems = strict_json.loads(value_text, where)
     except ValueError:
         return parts[0], parts[1], value_text
     if problems:
@@ -276,11 +276,11 @@ def _suggest(section: str | None, key: str) -> str | None:
 
 def _unknown_key_error(path: list[str | int], key: str, value: Any) -> str:
     section = str(path[0]) if path else None
-    where = config_json.shorten(_dotted([*path, key]))
+    where = strict_json.shorten(_dotted([*path, key]))
     what = f"{where}: unknown section" if section is None else f"{where}={_show(value)}: unknown key"
     hint = _suggest(section, key)
     if hint is None:
-        return f"{what}; see the config reference (python -m engine.config_doc)"
+        return f"{what}; see the config reference (python -m engine.config.doc)"
     return f"{what}; did you mean '{hint}'?"
 
 

@@ -1,6 +1,6 @@
 """Render the config reference (a Markdown table) from schemas/engine.schema.json.
 
-``python -m engine.config_doc`` prints it; ``--write README.md`` replaces the text between the
+``python -m engine.config.doc`` prints it; ``--write README.md`` replaces the text between the
 config-reference markers in a file, and ``--check README.md`` exits 1 when that text is stale, so the README
 can never drift from the schema.
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config_schema import load_schema
+from engine.config.schema import load_schema
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
@@ -69,7 +69,7 @@ def replace_between_markers(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.config_doc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.config.doc", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="FILE", type=Path, help="replace the reference between the markers")
     group.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when the reference in FILE is stale")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         if updated != text:
-            print(f"{target}: config reference is stale; run python -m engine.config_doc --write {target}")
+            print(f"{target}: config reference is stale; run python -m engine.config.doc --write {target}")
             return 1
         return 0
     if updated != text:

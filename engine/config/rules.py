@@ -11,37 +11,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from engine.config_schema import default, show
-
-# --- rules a mechanism checks too, for callers without a config: each text written once, here ------------
-
-TE_NEEDS_CUDA = 'Transformer Engine layers run on CUDA only; set train.device="auto" or "cuda", or model.use_te=false'
-
-
-def heads_divide_hidden(hidden_size: int, num_attention_heads: int) -> str | None:
-    """What is wrong with model.hidden_size (its value is shown before the text) when the heads do not divide it."""
-    if hidden_size % num_attention_heads:
-        return (f"must be divisible by model.num_attention_heads ({num_attention_heads}); "
-                "change model.hidden_size or model.num_attention_heads")  # fmt: skip
-    return None
-
-
-def offloaded_layer_count(num_layers: int, layers: int, counted: str = "") -> str | None:
-    """What is wrong with model.cpu_offloading_num_layers=num_layers for a model of `layers` transformer layers
-    (Megatron's words); `counted` says how the layers were found in a model of the user's."""
-    if 0 <= num_layers < layers:
-        return None
-    return (f"CPU offloading can be done only for layers less than {layers}{f' ({counted})' if counted else ''}; "
-            f"set model.cpu_offloading_num_layers between 0 and {layers - 1}")  # fmt: skip
-
-
-def assist_needs_engine_adamw(optimizer: str, use_torch_optimizer: bool) -> str | None:
-    """What is wrong with optimizer.cpu_offload_gpu_assist=true for this CPU-side optimizer, if anything."""
-    if optimizer != "adam" or use_torch_optimizer:
-        return ("works with the engine's own AdamW only (optimizer.optimizer='adam', "
-                "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false")  # fmt: skip
-    return None
-
+from engine.config.schema import default, show
+from engine.messages import TE_NEEDS_CUDA, assist_needs_engine_adamw, heads_divide_hidden, offloaded_layer_count
 
 # --- cross-field rules: the reference's constraints first, then our own ----------------------------------
 

@@ -1,5 +1,5 @@
 """The config schema (schemas/engine.schema.json, the one source of keys, types, defaults and docs) and how a
-value is shown in a message. Imported by the loader (config.py), the rules (config_rules.py) and the docs
+value is shown in a message. Imported by the loader (__init__.py), the rules (rules.py) and the docs
 (config_doc.py); it imports none of them.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from engine import config_json
+from engine.config import strict_json
 from engine.resources import data_path
 
 SCHEMA_PATH = data_path("schemas", "engine.schema.json")  # inside the wheel, or schemas/ in a checkout
@@ -53,4 +53,4 @@ def show(value: Any) -> str:
         text = json.dumps(plain(value))
     except (TypeError, ValueError, RecursionError):
         text = repr(value)
-    return config_json.shorten(text, 80)
+    return strict_json.shorten(text, 80)

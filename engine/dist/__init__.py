@@ -2,7 +2,7 @@
 (`from engine import dist; dist.rank()`).
 
   group.py       the process group: joined from torchrun's environment, who this process is, rank-aware
-                 logging, shutdown; `setup_for` also runs the config rules that read the real world size
+                 logging, shutdown (engine.initialize then runs the config rules that read the real world size)
   watchdog.py    failure propagation: a failing rank posts its message, the others' watchdogs end the job
   ddp.py         what the engine composes: DDP over the model, gradient-sync control, averages, rank-0 work
   data_state.py  the data iterator's position in a checkpoint, across data-parallel sizes
@@ -21,7 +21,6 @@ from engine.dist.group import (
     rank,
     rank_path,
     setup,
-    setup_for,
     shutdown,
     world_size,
 )
@@ -42,7 +41,6 @@ __all__ = [
     "rescale_data_state",
     "set_grad_sync",
     "setup",
-    "setup_for",
     "shutdown",
     "world_size",
     "wrap_model",

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from engine.config import Config, check_world_size
 from engine.dist import watchdog
 
 _owned_group = False  # whether `setup` created the process group (and `shutdown` should destroy it)
@@ -85,15 +84,6 @@ def setup(device_choice: str = "auto", timeout_s: float | None = None) -> int:
         _owned_group = True
     watchdog.start()
     return tdist.get_world_size()
-
-
-def setup_for(cfg: Config) -> int:
-    """`setup` for a validated config's device, then its rules that read the data-parallel size checked at the
-    actual world size (config.check_world_size: e.g. the batch arithmetic; raises ConfigError)."""
-    n = setup(cfg.train.device)
-    if n > 1:
-        check_world_size(cfg, n)
-    return n
 
 
 def shutdown() -> None:

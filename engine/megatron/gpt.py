@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config_rules import TE_NEEDS_CUDA
 from engine.extras import require, require_te
 from engine.megatron.parallel import ensure_model_parallel
+from engine.messages import TE_NEEDS_CUDA
 from engine.models.init import draw_seed, init_transformer_, materialize
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.extras import require
+from engine.optim.param_groups import named_parameter_groups
 from engine.optim.protocol import unscale_and_clip_
 
 _GROUP_STEPS = "engine_sub_optimizer_group_steps"  # key of our state dict beside megatron's own
@@ -35,9 +36,7 @@ HDO_NEEDS_CUDA = (
 
 def megatron_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """megatron-core's default grouping (no weight decay for biases and 1-D parameters), bare tensors: the
-    engine's one grouping, `engine.build.named_parameter_groups`."""
-    from engine.build import named_parameter_groups
-
+    engine's one grouping, `engine.optim.param_groups.named_parameter_groups`."""
     return named_parameter_groups(model, None, weight_decay, named=False)
 
 

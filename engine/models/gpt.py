@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from engine.config_rules import heads_divide_hidden
+from engine.messages import heads_divide_hidden
 from engine.models.init import draw_seed, init_transformer_
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config_rules import TE_NEEDS_CUDA
 from engine.extras import require_te
+from engine.messages import TE_NEEDS_CUDA
 
 
 def _normal_init(std: float):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from engine.config_rules import offloaded_layer_count
+from engine.messages import offloaded_layer_count
 from engine.offload.discovery import describe_stacks, find_layer_stacks, find_submodules
 from engine.offload.session import OffloadSession
 from engine.offload.wrap import OffloadHandle

@@ -12,15 +12,13 @@ unpacked once; host buffers back to the pool, device copies dropped).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from engine.offload.pool import HostBuffer
-
-if TYPE_CHECKING:
-    from engine.offload.session import OffloadSession
+from engine.offload.pool import HostBuffer, HostPool
+from engine.offload.transfers import HostTransfers
 
 FORWARD, OFFLOADED, RELOADING, DONE = range(4)
 
@@ -74,10 +72,26 @@ class Slot:
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
 
 
+class GroupOwner(Protocol):
+    """What a group asks of the session that owns it (engine.offload.session.OffloadSession); a protocol, so
+    this module does not import the session that imports it."""
+
+    pool: HostPool
+    transfers: HostTransfers
+    held_bytes: int
+    peak_held_bytes: int
+
+    def should_offload(self, t: torch.Tensor) -> bool: ...
+    def is_small(self, t: torch.Tensor) -> bool: ...
+    def record(self, unit: int, moved: int, kept_small: int) -> None: ...
+    def reload_now(self, group: Group) -> None: ...
+    def group_done(self, group: Group) -> None: ...
+
+
 class Group:
     """The saved tensors of one forward call of one offloaded module (see the module docstring)."""
 
-    def __init__(self, session: OffloadSession, index: int) -> None:
+    def __init__(self, session: GroupOwner, index: int) -> None:
         self.session = session
         self.index = index
         self.state = FORWARD

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config_rules import assist_needs_engine_adamw
+from engine.messages import assist_needs_engine_adamw
 from engine.optim import affinity, fused_kernel
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_arith import CpuArith, FusedAdamW, TorchOptimizers, UnitStep

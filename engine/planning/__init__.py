@@ -6,7 +6,7 @@
 
 Pure: nothing large is allocated and nothing is changed (the built-in GPT is built on the meta device; a user's
 model runs one layer's forward at <= 128 tokens to measure its activations, RNG state restored). The parts and
-phases are engine.plan_memory's, the activations engine.plan_activations', "auto" engine.plan_auto's; this
+phases are engine.planning.memory's, the activations engine.planning.activations', "auto" engine.planning.auto's; this
 module puts them together and renders them for `bin/train --plan` (a table) and `--plan --json`.
 """
 
@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import budget
 from engine.config import Config, load_config
-from engine.plan_auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
-from engine.plan_census import builtin_census, model_census
-from engine.plan_memory import DEFAULT_MIN_BYTES, DevicePlan, Plan, settings_of
+from engine.planning import budget
+from engine.planning.auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
+from engine.planning.census import builtin_census, model_census
+from engine.planning.memory import DEFAULT_MIN_BYTES, DevicePlan, Plan, settings_of
 
 __all__ = ["DevicePlan", "NothingFits", "Plan", "format_plan", "plan", "planner"]
 

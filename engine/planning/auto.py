@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.config import Config
-from engine.plan_census import Census
-from engine.plan_memory import GIB, Plan, Settings, evaluate
+from engine.planning.census import Census
+from engine.planning.memory import GIB, Plan, Settings, evaluate
 
 PCIE_BYTES_PER_S = 50e9
 CPU_PARAMS_PER_S = 3.6e9

@@ -2,7 +2,7 @@
 
 The built-in GPT is built on the meta device (`with torch.device("meta")`): every parameter's name and shape,
 no storage. A user's model is read as it is (names, shapes, dtypes and where it lives); its activations are
-measured by engine.plan_activations when asked. Nothing here depends on the offload fraction or on how many
+measured by engine.planning.activations when asked. Nothing here depends on the offload fraction or on how many
 layers are offloaded, so "auto" evaluates many of those against one census.
 """
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.config import Config
 from engine.optim.partition import forward_order, unit_of
-from engine.plan_activations import Activations, gpt_activations, measured_activations
+from engine.planning.activations import Activations, gpt_activations, measured_activations
 from engine.precision import autocast
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

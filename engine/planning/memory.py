@@ -30,8 +30,8 @@ from engine.config import Config
 from engine.optim.distributed import partition
 from engine.optim.host_plan import cpu_side_host_bytes
 from engine.optim.partition import split_for_offload
-from engine.plan_activations import Saved
-from engine.plan_census import Census
+from engine.planning.activations import Saved
+from engine.planning.census import Census
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -133,7 +133,7 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The bytes each device will hold (see engine.plan)."""
+    """The bytes each device will hold (see engine.planning)."""
 
     gpu: DevicePlan  # the training device: CUDA, or the CPU itself (then budget None: its bytes are a host part)
     host: DevicePlan

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from engine import dist
-from engine.budget import Budgets
 from engine.config import Config, ConfigError
-from engine.plan import planner, resolve
-from engine.plan_auto import NothingFits, Planner, gib
-from engine.plan_memory import Plan
+from engine.planning import planner, resolve
+from engine.planning.auto import NothingFits, Planner, gib
+from engine.planning.budget import Budgets
+from engine.planning.memory import Plan
 
 _last: tuple[Config, Plan] | None = None  # (the resolved config, its plan), for oom_line
 

@@ -1,0 +1,35 @@
+"""The invariant messages a mechanism and the config layer both state: each text written once, here.
+
+A mechanism (engine.models, engine.offload, engine.optim, engine.megatron) checks its own arguments for callers
+without a config and raises with these words; the config layer (engine.config.rules) runs the same check on a
+config and names the key. This module imports nothing from engine, so both sides may import it.
+"""
+
+from __future__ import annotations
+
+TE_NEEDS_CUDA = 'Transformer Engine layers run on CUDA only; set train.device="auto" or "cuda", or model.use_te=false'
+
+
+def heads_divide_hidden(hidden_size: int, num_attention_heads: int) -> str | None:
+    """What is wrong with model.hidden_size (its value is shown before the text) when the heads do not divide it."""
+    if hidden_size % num_attention_heads:
+        return (f"must be divisible by model.num_attention_heads ({num_attention_heads}); "
+                "change model.hidden_size or model.num_attention_heads")  # fmt: skip
+    return None
+
+
+def offloaded_layer_count(num_layers: int, layers: int, counted: str = "") -> str | None:
+    """What is wrong with model.cpu_offloading_num_layers=num_layers for a model of `layers` transformer layers
+    (Megatron's words); `counted` says how the layers were found in a model of the user's."""
+    if 0 <= num_layers < layers:
+        return None
+    return (f"CPU offloading can be done only for layers less than {layers}{f' ({counted})' if counted else ''}; "
+            f"set model.cpu_offloading_num_layers between 0 and {layers - 1}")  # fmt: skip
+
+
+def assist_needs_engine_adamw(optimizer: str, use_torch_optimizer: bool) -> str | None:
+    """What is wrong with optimizer.cpu_offload_gpu_assist=true for this CPU-side optimizer, if anything."""
+    if optimizer != "adam" or use_torch_optimizer:
+        return ("works with the engine's own AdamW only (optimizer.optimizer='adam', "
+                "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false")  # fmt: skip
+    return None
