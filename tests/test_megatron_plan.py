@@ -11,9 +11,9 @@ pytest.importorskip("megatron.core", reason="Requires: megatron-core")
 from engine import megatron  # noqa: E402
 from engine.config import ConfigError, load_config  # noqa: E402
 from engine.optim.partition import forward_order  # noqa: E402
-from engine.plan import plan  # noqa: E402
-from engine.plan_activations import measure_layer_once  # noqa: E402
-from engine.plan_megatron import megatron_census  # noqa: E402
+from engine.planning import plan  # noqa: E402
+from engine.planning.activations import measure_layer_once  # noqa: E402
+from engine.planning.megatron import megatron_census  # noqa: E402
 
 SHAPE = {"implementation": "megatron", "num_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
          "seq_length": 64, "vocab_size": 128}  # fmt: skip

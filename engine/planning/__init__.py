@@ -61,7 +61,7 @@ def planner(
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     host = host_budget_bytes if host_budget_bytes is not None else budget.host_available() // local
     if model is None and cfg.model.implementation == "megatron":
-        from engine.plan_megatron import megatron_census
+        from engine.planning.megatron import megatron_census
 
         census = megatron_census(cfg, cuda=cuda)
     elif model is None:

@@ -20,8 +20,8 @@ import torch
 
 from engine.config import Config
 from engine.optim.partition import forward_order
-from engine.plan_activations import FP32, Activations, Saved, gpt_activations
-from engine.plan_census import Census, Sized, _training_bytes
+from engine.planning.activations import FP32, Activations, Saved, gpt_activations
+from engine.planning.census import Census, Sized, _training_bytes
 
 
 def megatron_census(cfg: Config, *, cuda: bool) -> Census:
