@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras, report, user_model
-from engine.batch import BatchLoss, takes_labels
+from engine import checkpoint, dist, extras, oom, report, user_model
+from engine.batch import BatchLoss, is_causal_lm, takes_labels
 from engine.build import build_model, build_optimizer, place_model
 from engine.config import Config, check_world_size, load_config
 from engine.data import TokenBatches, load_tokens
@@ -65,7 +65,7 @@ class Engine:
         # DDP if distributed; state: self.module
         self._forward_module = dist.wrap_model(module, device, self.optimizer, find_unused_parameters)
         half = DTYPES[t.precision] if t.params_dtype == "half" else None  # float inputs follow half weights
-        self._batch_loss = BatchLoss(loss_fn, takes_labels(module), half)
+        self._batch_loss = BatchLoss(loss_fn, takes_labels(module, loss_fn), half, is_causal_lm(module))
         self._readable = ReadableWeights(module, self.synchronize)
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale, t.initial_loss_scale, t.loss_scale_window)
         self.iteration = 0  # optimizer steps taken (skipped fp16 steps count, as in Megatron)
@@ -78,6 +78,7 @@ class Engine:
         self.last_step_delayed = False  # optimizer.delayed_param_update: this step's CPU-side update lands late
         self._autocast = autocast(device, t.precision, t.params_dtype)
         self.optimizer.attach_model(module)
+        self.planned: tuple[Config, Any] | None = None  # (resolved config, plan) of the pre-flight, for OOM errors
 
     @property
     def module(self) -> nn.Module:
@@ -95,6 +96,8 @@ class Engine:
         try:
             with self._autocast:
                 return self._batch_loss(model, batch, self.device)
+        except torch.OutOfMemoryError as e:
+            raise self._oom(e, "forward") from e
         except RuntimeError as e:
             if "Expected to have finished reduction" in str(e):  # DDP's, on the step after an unused parameter
                 raise RuntimeError(
@@ -111,7 +114,10 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation steps and loss-scaled."""
         self.optimizer.set_grad_final(self.micro_step + 1 == self.micro_batches_per_step)
-        (loss * (self.scaler.scale / self.micro_batches_per_step)).backward()
+        try:
+            (loss * (self.scaler.scale / self.micro_batches_per_step)).backward()
+        except torch.OutOfMemoryError as e:
+            raise self._oom(e, "backward") from e
         self.micro_step += 1
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -130,7 +136,10 @@ class Engine:
         loss_sum, self._loss_sum = self._loss_sum, None
         loss_finite = None if loss_sum is None else torch.isfinite(dist.average(loss_sum))  # the same on every rank
         # skips (and discards what it began) on a non-finite norm or loss, read in the step's one synchronisation
-        norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale, finite=loss_finite)
+        try:
+            norm, stepped = self.optimizer.clip_and_step(clip, grad_scale=self.scaler.scale, finite=loss_finite)
+        except torch.OutOfMemoryError as e:
+            raise self._oom(e, "the optimizer step") from e
         self.scaler.update(stepped)
         self._readable.pending |= stepped  # CPU-stepped weights may still be on their way back
         if stepped:
@@ -147,8 +156,10 @@ class Engine:
             self.skips.update(False, self.iteration, mean, float(norm), self.scaler.scale)
         return stepped
 
-    def train_batch(self, data_iter: Iterable | None = None) -> float:
-        """All micro-batches of one global batch, then one step; returns the mean loss."""
+    def train_batch(self, data_iter: Iterator | None = None) -> float:
+        """All micro-batches of one global batch drawn from `data_iter` (an iterator: the same one on every call;
+        None: the config's data section), then one step; returns the mean loss. An out-of-memory error raises
+        engine.oom.PlannedOutOfMemoryError (a torch.OutOfMemoryError) naming the plan and the keys to change."""
         it = self._data(data_iter)
         total = torch.zeros((), device=self.device)
         for _ in range(self.micro_batches_per_step):
@@ -158,9 +169,21 @@ class Engine:
         self.step()
         return dist.average(total).item() / self.micro_batches_per_step
 
-    def _data(self, data_iter: Iterable | None) -> Iterator:
+    def _oom(self, error: torch.OutOfMemoryError, where: str) -> torch.OutOfMemoryError:
+        """torch's out-of-memory error as the engine's one line (still a torch.OutOfMemoryError)."""
+        if isinstance(error, oom.PlannedOutOfMemoryError):
+            return error
+        return oom.planned_error(error, self.planned, where)
+
+    def _data(self, data_iter: Iterator | None) -> Iterator:
         if data_iter is not None:
-            return data_iter if isinstance(data_iter, Iterator) else iter(data_iter)
+            if not isinstance(data_iter, Iterator):  # iter() anew on each call would restart at the first batch
+                raise TypeError(
+                    f"train_batch(data_iter) takes an iterator, as DeepSpeed's does, and was given a "
+                    f"{type(data_iter).__name__}, which each call would restart from its first batch; create "
+                    "it = iter(batches) once and pass the same it to every train_batch(it)"
+                )
+            return data_iter
         if self.data_iter is None:
             self.data_iter = self.default_data()
         return self.data_iter
@@ -353,4 +376,5 @@ def initialize(
     unused = cfg.train.find_unused_parameters
     eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn, offloader, world,
                  find_unused_parameters=in_hand if unused == "auto" else unused)  # fmt: skip
+    eng.planned = preflight.last()  # what the plan predicted, named by an out-of-memory error
     return eng, optimizer, scheduler

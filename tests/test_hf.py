@@ -311,16 +311,18 @@ def test_hf_gradient_checkpointing_with_optimizer_offload_trains(references):
 
 
 # --- how the batch and the output meet the engine --------------------------------------------------------------
-def test_loss_fn_gets_the_output_and_the_labels_which_reach_the_model(references):
+def test_loss_fn_gets_the_output_and_the_labels_which_stay_out_of_the_model(references):
     init, batches, ref_losses, _ = references["llama"]
     seen = []
 
-    def loss_fn(out, labels):
-        seen.append(labels)
-        return out.loss
+    def loss_fn(out, labels):  # the model's own loss, from its logits: labels did not reach it (loss is None)
+        seen.append((labels, out.loss))
+        logits = out.logits.float()[:, :-1].flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
 
     _, losses = train(fresh(llama, init), batches, loss_fn=loss_fn)
-    assert losses == ref_losses and seen[0] is not None and torch.equal(seen[0], batches[0]["labels"])
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert torch.equal(seen[0][0], batches[0]["labels"]) and all(loss is None for _, loss in seen)
 
 
 def test_tuple_batches_pass_labels_to_hf_models(references):

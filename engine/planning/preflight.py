@@ -7,13 +7,12 @@ said next to what failed (`oom_line`, used by bin/train).
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import torch
 from torch import nn
 
-from engine import dist
+from engine import dist, oom
 from engine.config import Config, ConfigError
 from engine.planning import planner, resolve
 from engine.planning.auto import NothingFits, Planner, gib
@@ -110,19 +109,8 @@ def refusal(p: Planner, plan: Plan) -> str:
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
 
 
-_TRIED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)")
-
-
 def oom_line(error: BaseException) -> str:
     """A CUDA out-of-memory error as one line: what the plan said, what failed, which keys to change."""
-    tried = _TRIED.search(str(error))
-    failed = f"allocating {tried.group(1)} failed" if tried else "an allocation failed"
-    if _last is None:
-        return f"CUDA out of memory: {failed}; no memory plan was made (bin/train CONFIG --plan)"
-    cfg, plan = _last
-    return (
-        f"CUDA out of memory: {failed} where the plan said {gib(plan.gpu.total_bytes)} GiB of "
-        f"{_budget(plan.gpu.budget_bytes)} GiB (peak during {plan.gpu.phase}); raise "
-        f"optimizer.optimizer_offload_fraction (now {plan.fraction:.2f}) or model.cpu_offloading_num_layers "
-        f"(now {plan.offloaded_layers}), or lower train.micro_batch_size (now {cfg.train.micro_batch_size})"
-    )
+    if isinstance(error, oom.PlannedOutOfMemoryError):  # the engine's, already one line
+        return str(error)
+    return oom.line(error, _last)
