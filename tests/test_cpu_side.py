@@ -73,6 +73,9 @@ CASES = [  # (dtype, micro-batches, fraction, bound MiB, optimizer options)
     (torch.float32, 1, 1.0, 1, {}),
     (torch.bfloat16, 2, 0.5, 2048, {"use_torch_optimizer_for_cpu_offload": True}),
     (torch.bfloat16, 2, 0.5, 2048, {"optimizer": "sgd", "momentum": 0.9, "lr": 1e-3}),
+    (torch.bfloat16, 1, 1.0, 2048, {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}),
+    (torch.bfloat16, 2, 0.5, 3, {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float32}),
+    (torch.float32, 1, 1.0, 1, {"exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.bfloat16}),
 ]
 
 
@@ -88,14 +91,16 @@ def test_host_bytes_equal_the_plan_and_the_tensors_held(dtype, micro, fraction, 
     half_bytes = 0 if dtype == torch.float32 else 2
     grad_bytes = 2 if (micro == 1 and dtype != torch.float32) else 4  # fp32 sums over micro-batches
     use_torch = extra.get("use_torch_optimizer_for_cpu_offload", False)
+    moments = [extra.get(k, torch.float32).itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype")]
     plan = cpu_side_host_bytes(units, kind=extra.get("optimizer", "adam"), use_torch=use_torch, half_bytes=half_bytes,
-                               grad_bytes=grad_bytes, speculate=True, speculation_buffer_bytes=mb * MIB)  # fmt: skip
+                               grad_bytes=grad_bytes, speculate=True, speculation_buffer_bytes=mb * MIB,
+                               exp_avg_bytes=moments[0], exp_avg_sq_bytes=moments[1])  # fmt: skip
     walked = walk_host_bytes(opt.cpu, model)
     assert opt.host_bytes() == walked == sum(plan.values()), plan
     n = sum(units)
     bounded = (2 * half_bytes + 4) * max(units) + mb * MIB  # the weight ring, torch.optim's scratch, the spares
     assert walked <= (12 + grad_bytes) * n + bounded
-    spares = speculation_units(units, 12 + half_bytes, mb * MIB) if plan["speculation"] else []
+    spares = speculation_units(units, 4 + sum(moments) + half_bytes, mb * MIB) if plan["speculation"] else []
     assert sorted(opt.cpu.host.spares.sizes()) == sorted(units[i] for i in spares)  # all returned to the pool
     opt.close()
 

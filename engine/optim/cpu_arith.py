@@ -125,6 +125,11 @@ class FusedAdamW:
     def step(self, steps: list[TensorStep]) -> None:
         futs: list[Future] = []
         for s in steps:
+            if s.m.dtype != torch.float32 or s.v.dtype != torch.float32:
+                numel = s.p.numel()
+                chunk = max(_MIN_SLICE, -(-numel // self.threads))
+                futs += [self.pool.submit(narrow_slice, s, a, min(numel, a + chunk)) for a in range(0, numel, chunk)]
+                continue
             if self.lib is None:
                 if not s.in_place:
                     s.p_out.copy_(s.p), s.m_out.copy_(s.m), s.v_out.copy_(s.v)
@@ -143,6 +148,23 @@ class FusedAdamW:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+
+
+def narrow_slice(s: TensorStep, a: int, b: int) -> None:
+    """AdamW on [a, b) with exp_avg/exp_avg_sq stored narrow (bf16 or fp16): read and widened to fp32, the
+    fp32 update of adamw_torch_, written back rounded to nearest even (torch's conversion); the fp32 master
+    and the half weights as in the fp32 pass. Torch ops (they release the GIL): one slice per worker."""
+    p, g = s.p[a:b], s.g[a:b]
+    # an fp32 moment's .float() is the moment itself: copied when the step must leave its inputs alone
+    m, v = (t[a:b].to(torch.float32, copy=not s.in_place) for t in (s.m, s.v))
+    p_out = s.p_out[a:b]
+    if not s.in_place:
+        p_out.copy_(p)
+    adamw_torch_(p_out, m, v, g, None, s.scalars)
+    s.m_out[a:b].copy_(m)
+    s.v_out[a:b].copy_(v)
+    if s.half_out is not None:
+        s.half_out[a:b].copy_(p_out)
 
 
 class TorchOptimizers:

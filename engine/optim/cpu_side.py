@@ -140,6 +140,7 @@ class CpuPart:
         gpu_assist: bool = False,
         speculation_buffer_bytes: int = 2048 << 20,
         pin_threads: bool = False,
+        moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         """entries: (name, param, group index, unit) in forward order, each unit's names contiguous.
 
@@ -174,6 +175,7 @@ class CpuPart:
             pin_master=(pin_params and self.cuda and half is None) or pin_states, pin_moments=pin_states,
             pin_half=pin_params and self.cuda, pin_grads=pin_grads and self.cuda,
             spare_budget_bytes=speculation_buffer_bytes if self.speculate else 0, grad_scratch=with_torch,
+            moment_dtypes=moment_dtypes,
         )  # fmt: skip
         with torch.no_grad():
             for n, p in self.params.items():

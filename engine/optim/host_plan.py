@@ -3,7 +3,8 @@
 The memory plan calls `cpu_side_host_bytes` for the host's optimizer parts and `CpuPart.host_bytes()`
 walks the tensors the CPU part really holds; a test holds the two equal. What grows with the model:
 
-  master, exp_avg, exp_avg_sq   12 B per CPU-stepped parameter (fp32), 8 B for SGD (master + momentum)
+  master, exp_avg, exp_avg_sq   12 B per CPU-stepped parameter (fp32), 8 B with bf16/fp16 moments,
+                                8 B for SGD (master + momentum)
   grad_staging                  one gradient per CPU-stepped parameter in the dtype it is shipped in:
                                 clipping needs the global norm of every gradient before any exact update,
                                 so each one waits on the host until the clip factor is known
@@ -54,13 +55,17 @@ def cpu_side_host_bytes(
     grad_bytes: int,
     speculate: bool,
     speculation_buffer_bytes: int,
+    exp_avg_bytes: int = _FP32,
+    exp_avg_sq_bytes: int = _FP32,
 ) -> dict[str, int]:
     """Bytes of host memory the CPU-stepped part holds in steady state (after its first step), by part.
 
     unit_numels: elements of each CPU-stepped layer unit, forward order. kind: "adam" or "sgd".
     use_torch: torch.optim steps the host part (use_torch_optimizer_for_cpu_offload). half_bytes: 0 for
     fp32 weights, else the half dtype's size (2). grad_bytes: bytes per element of the shipped gradient.
-    speculate: overlap is on (speculation needs it). For SGD "momentum_buffer" is torch's, which exists only
+    speculate: overlap is on (speculation needs it). exp_avg_bytes, exp_avg_sq_bytes: the moments' element
+    sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16).
+    For SGD "momentum_buffer" is torch's, which exists only
     with a momentum above 0 (the plan counts it either way).
     """
     if kind not in ("adam", "sgd"):
@@ -73,8 +78,8 @@ def cpu_side_host_bytes(
     largest = max(unit_numels, default=0)
     parts = {"master": _FP32 * n}
     if kind == "adam":
-        parts["exp_avg"] = _FP32 * n
-        parts["exp_avg_sq"] = _FP32 * n
+        parts["exp_avg"] = exp_avg_bytes * n
+        parts["exp_avg_sq"] = exp_avg_sq_bytes * n
     else:
         parts["momentum_buffer"] = _FP32 * n
     parts["grad_staging"] = grad_bytes * n
@@ -82,7 +87,7 @@ def cpu_side_host_bytes(
     parts["weight_staging"] = min(WEIGHT_RING, len(unit_numels)) * half_bytes * largest
     spec = 0
     if speculates(kind, use_torch, speculate, speculation_buffer_bytes):
-        per_elem = 3 * _FP32 + half_bytes
+        per_elem = _FP32 + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
         chosen = speculation_units(unit_numels, per_elem, speculation_buffer_bytes)
         spec = sum(unit_numels[i] * per_elem for i in chosen)
     parts["speculation"] = spec

@@ -130,10 +130,12 @@ class HostState:
         pin_grads: bool,
         spare_budget_bytes: int,
         grad_scratch: bool,
+        moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         """moments: hold exp_avg and exp_avg_sq (the engine's AdamW; torch.optim keeps its own).
         half: the model's half dtype, or None for fp32 weights. spare_budget_bytes: host memory for the
-        speculative step's spares (0: none). grad_scratch: one unit's fp32 gradient for torch.optim."""
+        speculative step's spares (0: none). grad_scratch: one unit's fp32 gradient for torch.optim.
+        moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes (precision.py: fp32, bf16 or fp16)."""
         self.layout = layout
         self.half = half
         self.pin_grads = pin_grads
@@ -147,8 +149,9 @@ class HostState:
         # the home buffers (pinned or not as asked); after a commit a unit's bank may be a spare's slice and a
         # home slice a spare, so read a parameter's state through state(name), not these buffers' views
         self.master = FlatViews(flat_layout, torch.float32, pin_master)
-        self.m = FlatViews(flat_layout, torch.float32, pin_moments) if moments else None
-        self.v = FlatViews(flat_layout, torch.float32, pin_moments) if moments else None
+        self.moment_dtypes = moment_dtypes
+        self.m = FlatViews(flat_layout, moment_dtypes[0], pin_moments) if moments else None
+        self.v = FlatViews(flat_layout, moment_dtypes[1], pin_moments) if moments else None
         home = [self.master.flat, *((self.m.flat, self.v.flat) if moments else (None, None))]
         self.bank: dict[str, Bank] = {}
         self._views: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
@@ -180,10 +183,11 @@ class HostState:
             return [], []
         half_bytes = 0 if self.half is None else torch.empty(0, dtype=self.half).element_size()
         numels = [self.layout.numel[u] for u in units]
-        sizes = [numels[i] for i in speculation_units(numels, 12 + half_bytes, budget)]
+        per_elem = 4 + sum(torch.empty(0, dtype=d).element_size() for d in self.moment_dtypes) + half_bytes
+        sizes = [numels[i] for i in speculation_units(numels, per_elem, budget)]
         total = sum(sizes)
         p = flat_buffer(total, torch.float32, pin_master)
-        m, v = (flat_buffer(total, torch.float32, pin_moments) for _ in range(2))
+        m, v = (flat_buffer(total, d, pin_moments) for d in self.moment_dtypes)
         h = flat_buffer(total, self.half, pin_half) if self.half is not None else None
         spares, off = [], 0
         for n in sizes:

@@ -32,6 +32,7 @@ read model.state_dict() after optimizer.state_dict() or synchronize().
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -45,6 +46,7 @@ from engine.optim.options import HybridOptions, betas, number_in
 from engine.optim.partition import forward_order, split_for_offload, unit_of
 from engine.optim.protocol import CpuOffload, decide
 
+log = logging.getLogger(__name__)
 STATE_FORMAT = "engine.optim.hybrid/1"
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -90,6 +92,17 @@ def _named_groups(params) -> list[dict]:
     return out
 
 
+def _say_dtype_changes(saved: dict, cpu_names: frozenset[str], o: HybridOptions) -> None:
+    """One line per moment whose saved dtype differs from the one it loads into (the GPU-stepped part holds
+    fp32): widening is exact, narrowing rounds to nearest."""
+    for key, cpu_dtype in (("exp_avg", o.exp_avg_dtype), ("exp_avg_sq", o.exp_avg_sq_dtype)):
+        pairs = {(st[key].dtype, cpu_dtype if n in cpu_names else torch.float32)
+                 for n, st in saved.items() if torch.is_tensor(st.get(key))}  # fmt: skip
+        for was, now in sorted((p for p in pairs if p[0] != p[1]), key=str):
+            how = "widened (exact)" if now.itemsize > was.itemsize else "narrowed (rounded to nearest)"
+            log.warning("optimizer state %s saved as %s is %s to %s on load", key, was, how, now)
+
+
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, options: HybridOptions) -> None:
         """params: named_parameters() or groups of (name, parameter) pairs; options: validated when made."""
@@ -127,7 +140,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                   pin_grads=o.pin_cpu_grads, pin_params=o.pin_cpu_params,
                                   threads=o.cpu_threads or default_cpu_threads(), gpu_assist=o.gpu_assist,
                                   speculation_buffer_bytes=o.speculation_buffer_mb << 20,
-                                  pin_threads=o.pin_cpu_threads)  # fmt: skip
+                                  pin_threads=o.pin_cpu_threads,
+                                  moment_dtypes=(o.exp_avg_dtype, o.exp_avg_sq_dtype))  # fmt: skip
         self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
         self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
         self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
@@ -373,6 +387,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.delayed is not None:
             masters = {n: saved[n]["master"] for n in self.cpu_names}
             keep = self.delayed.load(state_dict.get("delayed"), (int(st["step"]) for st in saved.values()), masters)
+        _say_dtype_changes(saved, self.cpu_names, self.options)
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
             side.load(n, saved[n])
@@ -395,7 +410,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params = [self.params_by_name[n] for n in self.cpu_names]
         if not params:
             return None
-        state_bytes = 8 if self.kind == "adam" else 4  # exp_avg + exp_avg_sq, or the momentum buffer
+        moments = self.options.exp_avg_dtype.itemsize + self.options.exp_avg_sq_dtype.itemsize
+        state_bytes = moments if self.kind == "adam" else 4  # exp_avg + exp_avg_sq, or the momentum buffer
         fp32_sums = micro_batches > 1 and self.accumulate_grads_in_fp32
         freed = sum(p.numel() * (state_bytes + (4 if p.dtype in _HALF else 0)) for p in params)
         moved = sum(p.numel() * ((4 if fp32_sums and p.dtype in _HALF else p.element_size()) + p.element_size())

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import torch
+
 from engine.optim.delayed import DEFAULT_WARMUP
 
 # constructor argument -> config key a user of the engine would set
@@ -77,6 +79,7 @@ def whole_number(name: str, value: object) -> int:
     return value
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLAGS = ("overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload",
           "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist")  # fmt: skip
 
@@ -104,6 +107,8 @@ class HybridOptions:
     delayed_param_update_warmup: int = DEFAULT_WARMUP
     gpu_assist: bool = False
     speculation_buffer_mb: int = 2048
+    exp_avg_dtype: torch.dtype = torch.float32  # the CPU-stepped part's moments (precision-aware optimizer)
+    exp_avg_sq_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         choice("optimizer", self.optimizer, ("adam", "sgd"))
@@ -118,6 +123,14 @@ class HybridOptions:
         number_in("eps", self.eps, 0.0, None, lo_open=True)
         number_in("weight_decay", self.weight_decay, 0.0, None)
         number_in("momentum", self.momentum, 0.0, 1.0)
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dtype = getattr(self, name)
+            choice(name, dtype, STATE_DTYPES)
+            if dtype != torch.float32 and (self.optimizer != "adam" or self.use_torch_optimizer_for_cpu_offload
+                                           or self.gpu_assist):  # fmt: skip
+                raise ValueError(f"{name} (optimizer.{name})={dtype} is the engine's own CPU AdamW's: set "
+                                 "optimizer.optimizer='adam', use_torch_optimizer_for_cpu_offload=false and "
+                                 f"cpu_offload_gpu_assist=false, or {name}='fp32'")  # fmt: skip
         if self.delayed_param_update and self.offload_fraction == 0:
             raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "
                              "update, and offload_fraction=0 steps nothing on the CPU; set "
