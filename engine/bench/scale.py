@@ -131,7 +131,8 @@ def _config(a: argparse.Namespace, shape: Shape, fraction: float | str, dpu: boo
     cfg = {
         "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
                   "seq_length": shape.seq, "vocab_size": shape.vocab},
-        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr, "weight_decay": 0.1, "adam_beta1": 0.9,
+        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr, "lr_warmup_iters": a.lr_warmup,
+                      "lr_decay_style": "constant", "weight_decay": 0.1, "adam_beta1": 0.9,
                       "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
                       "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
                       "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
@@ -334,6 +335,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr-warmup", type=int, default=10, help="linear warm-up steps (a first step at the full lr "
+                    "moves a wide model's weights too far at once: the loss rises)")  # fmt: skip
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: tiny shapes only (tests)")
