@@ -131,8 +131,9 @@ def _config(a: argparse.Namespace, shape: Shape, fraction: float | str, dpu: boo
     cfg = {
         "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
                   "seq_length": shape.seq, "vocab_size": shape.vocab},
-        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr, "lr_warmup_iters": a.lr_warmup,
-                      "lr_decay_style": "constant", "weight_decay": 0.1, "adam_beta1": 0.9,
+        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr,
+                      "lr_warmup_iters": min(a.lr_warmup, a.warmup + a.iters), "lr_decay_style": "constant",
+                      "weight_decay": 0.1, "adam_beta1": 0.9,
                       "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
                       "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
                       "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
