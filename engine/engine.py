@@ -313,6 +313,7 @@ def initialize(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     overrides: Iterable[str] = (),
     memory_budgets: Budgets | None = None,
+    example_batch: Any = None,
 ) -> tuple[Engine, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """DeepSpeed's `initialize`: returns `(engine, optimizer, lr_scheduler)`.
 
@@ -323,7 +324,9 @@ def initialize(
     config's schedule applied to each group's own lr. `loss_fn(output, labels)` turns the model's output into
     the loss; without it the output's own loss is used (HF: `labels` in the batch), see engine.batch. Before
     anything large is allocated the memory plan resolves "auto" values and refuses what cannot fit
-    (engine.planning.preflight; memory_budgets: plan against other budgets than this machine's).
+    (engine.planning.preflight; memory_budgets: plan against other budgets than this machine's). With a model of
+    your own, `example_batch` (one micro-batch as `train_batch` gets it) is what the plan measures its
+    activations, logits and loss on; "auto" needs it.
     """
     in_hand = model is not None  # its shape comes from the model; the built-in GPT's model.* keys are refused
     if isinstance(config, Config) and not overrides and not in_hand:
@@ -336,7 +339,8 @@ def initialize(
     if world > 1:  # the rules that read the data-parallel size, at the size the group has
         check_world_size(cfg, world)
     device = _pick_device(cfg.train.device)
-    cfg = preflight.check(cfg, model, device, world, memory_budgets)  # "auto" resolved; refuses what cannot fit
+    batch = example_batch if in_hand else None
+    cfg = preflight.check(cfg, model, device, world, memory_budgets, batch, loss_fn)  # "auto" resolved; refuses
     torch.manual_seed(cfg.train.seed)
     half = DTYPES[cfg.train.precision] if cfg.train.params_dtype == "half" else None
     if model is None:  # built on the meta device, materialised on `device` in its final dtype

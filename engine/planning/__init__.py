@@ -49,6 +49,8 @@ def planner(
     data_parallel_size: int | None = None,
     measure_activations: bool = True,
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+    example_batch: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> Planner:
     """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names)."""
     cfg = config if isinstance(config, Config) else load_config(config)
@@ -67,7 +69,8 @@ def planner(
     elif model is None:
         census = builtin_census(cfg, cuda=cuda)
     else:
-        census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input)
+        census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input,
+                              example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
     return Planner(cfg, census, settings_of(cfg, world), cuda=cuda, gpu_budget=gpu, host_budget=host)
 
 
@@ -81,6 +84,8 @@ def plan(
     data_parallel_size: int | None = None,
     measure_activations: bool = True,
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+    example_batch: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> Plan:
     """The memory plan of `config` (a path, dict or Config) for the built-in GPT, or for `model`.
 
@@ -88,10 +93,15 @@ def plan(
     host memory available to this process). A GPU budget makes the plan assume CUDA (pinned pools, CUDA's
     kernels) whatever this machine has; device="cpu" / "cuda" says so explicitly. "auto" values are resolved
     (NothingFits, a ValueError, when none fits). example_input(batch, seq, device) -> forward args for a user
-    model whose forward does not take token ids [batch, seq]."""
+    model whose forward does not take token ids [batch, seq].
+
+    example_batch: one micro-batch as `train_batch` will get it (a dict with `input_ids`/`labels`, `(inputs,
+    labels)`, a tensor), with `loss_fn` as given to engine.initialize: a user model's activations, logits and
+    loss are measured by one forward of it (engine.planning.batch). Without it they are measured at
+    model.seq_length, a guess: the plan then reports no fit and "auto" is refused."""
     p = planner(config, model, gpu_budget_bytes=gpu_budget_bytes, host_budget_bytes=host_budget_bytes,
                 device=device, data_parallel_size=data_parallel_size, measure_activations=measure_activations,
-                example_input=example_input)  # fmt: skip
+                example_input=example_input, example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
     return resolve(p)
 
 
@@ -103,6 +113,10 @@ def resolve(p: Planner) -> Plan:
         "optimizer.optimizer_offload_fraction": fraction == "auto",
         "model.cpu_offloading_num_layers": layers == "auto",
     }
+    if any(auto.values()) and not p.census.batch_seen:
+        keys = " and ".join(f'{k}="auto"' for k, a in auto.items() if a)
+        raise NothingFits(f"{keys} needs the activations of the model's own batches: pass example_batch= (one "
+                          "micro-batch) to engine.initialize / engine.plan, or set a number")  # fmt: skip
     if any(auto.values()):
         chosen = p.resolve(fraction, layers)
     else:
@@ -164,5 +178,9 @@ def format_plan(p: Plan, s: Any = None) -> str:
     lines.append("")
     lines += _device_block("host", p.host)
     lines += [f"note: {n}" for n in p.notes]
-    lines.append(f"fits: {'yes' if p.fits else 'no'}")
+    if not p.batch_seen:
+        lines.append("fits: not known (activations not measured at a batch of the model's own; the bytes above "
+                     f"{'fit' if p.memory_fits else 'do not fit'} without them): pass example_batch=")  # fmt: skip
+    else:
+        lines.append(f"fits: {'yes' if p.fits else 'no'}")
     return "\n".join(lines)

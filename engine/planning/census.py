@@ -46,6 +46,7 @@ class Census:
     builtin: bool
     host_model_bytes: int = 0  # a given model's bytes now in host memory (freed when it moves to the GPU)
     notes: tuple[str, ...] = ()
+    batch_seen: bool = True  # a user's model: its activations measured at a batch of its own (else not claimed)
     unit: dict[str, str] = field(default_factory=dict)  # engine.optim.partition.unit_of of each name
 
     numels: dict[str, int] = field(default_factory=dict)
@@ -85,6 +86,7 @@ class Census:
             builtin=self.builtin,
             host_model_bytes=self.host_model_bytes,
             notes=self.notes,
+            batch_seen=self.batch_seen,
         )
 
 
@@ -139,8 +141,12 @@ def model_census(
     cuda: bool,
     measure: bool = True,
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
+    example_batch: Any = None,
+    loss_fn: Any = None,
 ) -> Census:
-    """A user's model: its parameters counted, its first layer's activations measured (measure=False: not)."""
+    """A user's model: its parameters counted; its activations measured at `example_batch` (one micro-batch,
+    engine.planning.batch), else its first layer's at model.seq_length (measure=False: not), which is a guess: the
+    plan then claims no fit."""
     from engine.offload.discovery import find_layer_stacks
 
     t = cfg.train
@@ -164,8 +170,13 @@ def model_census(
     host = sum(x.numel() * x.element_size() for x in tensors if x.device.type == "cpu")
     acts = Activations(layers=[[] for _ in range(len(layers) if layers is not None else 0)], head=[],
                        logits_transient=0, backward_working=0, source="not measured")  # fmt: skip
-    if layers is not None and measure:
+    seen = example_batch is not None
+    if layers is not None and seen:
+        acts = _measure_batch(cfg, model, layers, example_batch, loss_fn, notes)
+    elif layers is not None and measure:
         acts = _measure(cfg, model, layers, example_input, notes)
+        notes.append(f"activations measured at model.seq_length={cfg.model.seq_length}, a guess: no batch of "
+                     "the model's own was seen, so the plan claims no fit; pass example_batch=")  # fmt: skip
     elif layers is not None:
         notes.append("activations of the given model not measured (a CPU run's pre-flight skips the forward)")
     return Census(
@@ -177,7 +188,38 @@ def model_census(
         builtin=False,
         host_model_bytes=host,
         notes=tuple(notes),
+        batch_seen=seen or layers is None,
     )
+
+
+def _precision_context(cfg: Config, model: nn.Module, notes: list[str]):
+    """(autocast context or None, float dtype of the inputs) the training forward will run under."""
+    t = cfg.train
+    first = next(model.parameters())
+    half_now = first.dtype in (torch.float16, torch.bfloat16)
+    ctx = None
+    if t.precision != "fp32" and not half_now and first.device.type in ("cpu", "cuda"):
+        ctx = autocast(first.device, t.precision, "fp32")
+        if t.params_dtype == "half":
+            notes.append("fp32 model measured under autocast before its cast to half weights: the residual "
+                         "stream is counted at fp32")  # fmt: skip
+    return ctx, (first.dtype if half_now else None)
+
+
+def _measure_batch(cfg: Config, model: nn.Module, layers: list, batch: Any, loss_fn: Any, notes: list[str]
+                   ) -> Activations:  # fmt: skip
+    from engine.planning.batch import batch_rows, measure_batch
+
+    rows, mbs = batch_rows(batch), cfg.train.micro_batch_size
+    if rows is not None and rows != mbs:
+        raise ValueError(f"example_batch has {rows} rows and train.micro_batch_size={mbs}: pass one "
+                         f"micro-batch of {mbs} rows (the plan measures what one micro-batch holds)")  # fmt: skip
+    ctx, float_dtype = _precision_context(cfg, model, notes)
+    acts = measure_batch(model, layers, batch, loss_fn=loss_fn, autocast=ctx, float_dtype=float_dtype)
+    if cfg.train.params_dtype == "half" and ctx is not None:  # the cast's copies will not exist under half weights
+        acts = replace(acts, layers=[[s for s in ly if not s.weight_copy] for ly in acts.layers],
+                       head=[s for s in acts.head if not s.weight_copy])  # fmt: skip
+    return acts
 
 
 def _measure(cfg: Config, model: nn.Module, layers: nn.ModuleList, example_input, notes: list[str]) -> Activations:

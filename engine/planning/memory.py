@@ -146,14 +146,22 @@ class Plan:
     activations_source: str
     auto: dict[str, bool] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    batch_seen: bool = True  # False: a user's model whose activations were not measured at a batch of its own
 
     @property
     def fits(self) -> bool:
+        """Both devices fit; never claimed for a model whose activations were not measured at its batch."""
+        return self.batch_seen and self.memory_fits
+
+    @property
+    def memory_fits(self) -> bool:
+        """The bytes counted fit both budgets (without a batch: weights and optimizer only, a lower bound)."""
         return self.gpu.fits and self.host.fits
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "fits": self.fits, "fraction": self.fraction, "offloaded_layers": self.offloaded_layers,
+            "fits": self.fits if self.batch_seen else None, "batch_seen": self.batch_seen,
+            "fraction": self.fraction, "offloaded_layers": self.offloaded_layers,
             "auto": dict(self.auto), "parameters": self.parameters, "cpu_stepped_parameters": self.cpu_parameters,
             "gpu": self.gpu.to_json(), "host": self.host.to_json(),
             "activations": {"source": self.activations_source, "per_layer_bytes": self.layer_activation_bytes,
@@ -296,7 +304,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
                 cpu_parameters=n_cpu, layer_activation_bytes=layer0,
                 offloaded_layer_bytes=sum(e.nbytes for e in acts.layers[0] if _moves(s, 0, max(k, 1), e))
                 if acts.layers else 0, activations_source=acts.source,
-                notes=tuple(notes))  # fmt: skip
+                notes=tuple(notes), batch_seen=c.batch_seen)  # fmt: skip
 
 
 def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int, moved: list[list[int]],

@@ -8,6 +8,7 @@ said next to what failed (`oom_line`, used by bin/train).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,24 +23,25 @@ from engine.planning.memory import Plan
 _last: tuple[Config, Plan] | None = None  # (the resolved config, its plan), for oom_line
 
 
-def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int, budgets: Budgets | None = None
-          ) -> Config:  # fmt: skip
+def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int, budgets: Budgets | None = None,
+          example_batch: Any = None, loss_fn: Any = None) -> Config:  # fmt: skip
     """The config with "auto" values chosen; ConfigError (one line) when the plan does not fit.
 
     On a CPU run the GPU check does not apply (the device is the host; the host check does). A given model's
-    activations are measured only for a CUDA run (a CPU run's pre-flight skips that forward)."""
+    activations are measured at `example_batch` (engine.planning.batch); without one they are not counted (the
+    refusal is then on weights and optimizer alone, a lower bound) and "auto" is refused."""
     global _last
     budgets = budgets or Budgets()
-    cuda = device.type == "cuda"
     p = planner(cfg, model, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
-                device=device.type, data_parallel_size=world, measure_activations=cuda)  # fmt: skip
+                device=device.type, data_parallel_size=world, measure_activations=False,
+                example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
     try:
         plan = resolve(p)
     except NothingFits as e:
         raise ConfigError([str(e)]) from None
     resolved = _with_resolved(cfg, plan)
     _last = (resolved, plan)
-    if not plan.fits:
+    if not plan.memory_fits:
         raise ConfigError([refusal(p, plan)])
     chosen = [f"{key}={_value(resolved, key)}" for key, auto in plan.auto.items() if auto]
     if chosen:
