@@ -188,8 +188,15 @@ def model_census(
         builtin=False,
         host_model_bytes=host,
         notes=tuple(notes),
-        batch_seen=seen or layers is None,
+        batch_seen=seen or layers is None or _is_builtin_gpt(model),
     )
+
+
+def _is_builtin_gpt(model: nn.Module) -> bool:
+    """An instance of the built-in GPT: model.seq_length and the micro-batch describe its batches."""
+    from engine.models.gpt import GPT
+
+    return isinstance(model, GPT)
 
 
 def _precision_context(cfg: Config, model: nn.Module, notes: list[str]):
