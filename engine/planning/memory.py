@@ -160,13 +160,14 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "fits": self.fits if self.batch_seen else None, "batch_seen": self.batch_seen,
+            "fits": self.fits if self.batch_seen else None,
             "fraction": self.fraction, "offloaded_layers": self.offloaded_layers,
             "auto": dict(self.auto), "parameters": self.parameters, "cpu_stepped_parameters": self.cpu_parameters,
             "gpu": self.gpu.to_json(), "host": self.host.to_json(),
             "activations": {"source": self.activations_source, "per_layer_bytes": self.layer_activation_bytes,
                             "offloaded_per_layer_bytes": self.offloaded_layer_bytes},
             "notes": list(self.notes),
+            **({} if self.batch_seen else {"batch_seen": False}),
         }  # fmt: skip
 
 
