@@ -19,7 +19,7 @@ from torch import nn
 from engine import checkpoint, dist, extras, oom, report, user_model
 from engine.batch import BatchLoss, is_causal_lm, takes_labels
 from engine.build import build_model, build_optimizer, place_model
-from engine.config import Config, check_world_size, load_config
+from engine.config import Config, check_world_size, load_config, written_keys
 from engine.data import TokenBatches, load_tokens
 from engine.optim.distributed import DistributedOptimizer
 from engine.optim.param_groups import named_parameter_groups
@@ -334,7 +334,7 @@ def initialize(
     else:
         cfg = load_config(config or {}, list(overrides), model_in_hand=in_hand)
     if in_hand:
-        user_model.check(model, cfg.model)  # model.* against the model in hand, before anything is allocated
+        user_model.check(model, cfg.model, written_keys(cfg))  # model.* against the model in hand, before allocation
     world = dist.setup(cfg.train.device)  # joins torchrun's process group; a no-op for one process
     if world > 1:  # the rules that read the data-parallel size, at the size the group has
         check_world_size(cfg, world)

@@ -13,7 +13,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from engine.config import ConfigError, ModelConfig, section_properties
+from engine.config import ConfigError, ModelConfig
 from engine.config.rules import BUILTIN_ONLY_KEYS
 from engine.models.gpt import GPT
 from engine.offload.discovery import describe_stacks, find_layer_stacks
@@ -26,10 +26,10 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def check(model: nn.Module, m: ModelConfig) -> None:
+def check(model: nn.Module, m: ModelConfig, written: frozenset[str] = frozenset()) -> None:
     """Before anything is allocated: `model.*` against the model in hand. ConfigError lists every shape key that
     would be ignored; ValueError names a combination with HF's gradient checkpointing that cannot act."""
-    errors = _shape_key_errors(model, m)
+    errors = _shape_key_errors(model, m, written)
     if errors:
         raise ConfigError(errors)
     if not hf_checkpointing(model):
@@ -60,9 +60,9 @@ def _builtin_shape(model: GPT) -> dict[str, int]:
     return shape
 
 
-def _shape_key_errors(model: nn.Module, m: ModelConfig) -> list[str]:
-    defaults = section_properties()["model"]
-    given = {k: getattr(m, k) for k in BUILTIN_ONLY_KEYS if getattr(m, k) != defaults[k]["default"]}
+def _shape_key_errors(model: nn.Module, m: ModelConfig, written: frozenset[str]) -> list[str]:
+    """A built-in GPT shape key the user wrote (engine.config.written_keys), whatever its value: refused."""
+    given = {k: getattr(m, k) for k in BUILTIN_ONLY_KEYS if f"model.{k}" in written}
     shape = _builtin_shape(model) if isinstance(model, GPT) else {}
     errors = []
     for key, value in given.items():

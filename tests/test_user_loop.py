@@ -222,3 +222,19 @@ def test_out_of_memory_without_a_plan_says_so():
     with pytest.raises(PlannedOutOfMemoryError, match=r"^CUDA out of memory in forward: allocating 4\.64 GiB failed; "
                                                       r"no memory plan was made"):  # fmt: skip
         eng.train_batch(iter(lm_batches(2)))
+
+
+# --- the built-in GPT's shape keys with a model of one's own ------------------------------------------------------
+@pytest.mark.parametrize("how", ["overrides", "dict", "loaded"])
+def test_builtin_shape_keys_are_refused_when_written_even_at_their_defaults(how):
+    defaults = ["model.num_layers=4", "model.hidden_size=128"]  # the schema's defaults: still not this model's
+    config, overrides = CFG, defaults
+    if how == "dict":
+        config, overrides = {**CFG, "model": {"num_layers": 4, "hidden_size": 128}}, []
+    if how == "loaded":
+        config, overrides = engine.load_config(CFG, defaults), []
+    with pytest.raises(engine.ConfigError) as e:
+        engine.initialize(model=llama(), config=config, overrides=overrides)
+    assert [line.split(":")[0] for line in str(e.value).splitlines()] == ["model.num_layers=4", "model.hidden_size=128"]
+    assert all(line.endswith("; remove model." + line.split("=")[0][6:]) for line in str(e.value).splitlines())
+    engine.initialize(model=llama(), config=engine.load_config(CFG))  # a loaded config without them: accepted

@@ -127,6 +127,7 @@ def load_config(
     discovered layers)."""
     raw = _read_source(source)
     errors = _apply_overrides(raw, overrides)
+    written = frozenset(f"{name}.{k}" for name, section in raw.items() if isinstance(section, dict) for k in section)
     dp = _data_parallel_size(data_parallel_size)
     _fill_defaults(raw)
     bad: set[str] = set()
@@ -137,15 +138,30 @@ def load_config(
     errors += _not_built_errors(raw, dp, bad | fired)
     if errors:
         raise ConfigError(errors)
-    return _build(raw)
+    cfg = _build(raw)
+    object.__setattr__(cfg, "_written", written)  # frozen; not a field: equality and to_dict are the values alone
+    return cfg
+
+
+def written_keys(cfg: Config) -> frozenset[str]:
+    """The dotted keys the user wrote (in the file, the dict or an override), whatever their value; for a Config
+    not made by load_config, the keys whose values differ from the schema's defaults."""
+    written = getattr(cfg, "_written", None)
+    if written is not None:
+        return written
+    props = section_properties()
+    defaults = {name: {k: _plain(p["default"]) for k, p in keys.items()} for name, keys in props.items()}
+    return frozenset(f"{name}.{key}" for name, section in cfg.to_dict().items()
+                     for key, value in section.items() if value != defaults[name][key])  # fmt: skip
 
 
 # --- sources and overrides ------------------------------------------------------------------------------
 
 
 def _read_source(source: Any) -> dict[str, Any]:
-    if isinstance(source, Config):
-        return source.to_dict()
+    if isinstance(source, Config):  # what its user wrote: the written keys read back from it
+        full, written = source.to_dict(), written_keys(source)
+        return {name: {k: v for k, v in section.items() if f"{name}.{k}" in written} for name, section in full.items()}
     if isinstance(source, Mapping):
         return _plain(source)
     if not isinstance(source, (str, os.PathLike)):
