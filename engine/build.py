@@ -59,6 +59,7 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
 
         return megatron.build_hybrid_optimizer(model, o, param_groups=groups)
     from engine.optim import HybridDeviceOptimizer, HybridOptions
+    from engine.optim.options import STATE_DTYPE
 
     # one optimizer for every case: at fraction 0 it is the plain device optimizer (with fp32 masters
     # for half weights); the offload options take effect only under their master switch, as in Megatron
@@ -83,5 +84,7 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
             delayed_param_update=o.delayed_param_update,
             delayed_param_update_warmup=o.delayed_param_update_warmup,
             speculation_buffer_mb=o.speculation_buffer_mb,
+            exp_avg_dtype=STATE_DTYPE[o.exp_avg_dtype],
+            exp_avg_sq_dtype=STATE_DTYPE[o.exp_avg_sq_dtype],
         ),
     )

@@ -430,6 +430,16 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
           "optimizer.use_distributed_optimizer=true", "optimizer.optimizer=sgd"], 1,
          r"optimizer\.cpu_offload_gpu_assist=true: works with the engine's own AdamW only"),
     ],
+    "_precision_aware_optimizer": [
+        (["optimizer.main_params_dtype=fp16"], 1, r"optimizer\.main_params_dtype=\"fp16\": is built for fp32 only"),
+        (["optimizer.main_grads_dtype=bf16"], 1, r"optimizer\.main_grads_dtype=\"bf16\": is built for fp32 only"),
+        (["optimizer.exp_avg_dtype=fp8"], 1, r"optimizer\.exp_avg_dtype=\"fp8\": fp8 states are not built here"),
+        (["optimizer.exp_avg_dtype=bf16"], 1, r"needs optimizer\.use_precision_aware_optimizer=true"),
+        (["optimizer.exp_avg_sq_dtype=bf16", "optimizer.use_precision_aware_optimizer=true"], 1,
+         r"optimizer\.exp_avg_sq_dtype=\"bf16\": narrows the CPU-stepped part's states, which exist only"),
+        (["optimizer.exp_avg_sq_dtype=bf16", "optimizer.use_precision_aware_optimizer=true",
+          "optimizer.optimizer=sgd"], 1, r"narrows the engine's own CPU AdamW's states only"),
+    ],
     "_layers_path_needs_offloading": [
         (["model.cpu_offloading_layers_path=layers"], 1,
          r"model\.cpu_offloading_layers_path=\"layers\": is read only by activation offloading"),

@@ -139,3 +139,52 @@ def test_narrow_states_refused_where_no_mechanism_uses_them():
             HybridOptions(lr=1e-3, offload_fraction=0.5, exp_avg_dtype=torch.bfloat16, **kw)
     with pytest.raises(ValueError, match=r"exp_avg_sq_dtype.*one of"):
         HybridOptions(lr=1e-3, exp_avg_sq_dtype=torch.float64)
+
+
+# --- the config keys (megatron's names), the plan's bytes ---------------------------------------------------
+
+OFFLOAD = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5",
+           "optimizer.use_distributed_optimizer=true", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]  # fmt: skip
+NARROW_KEYS = ["optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_dtype=bf16",
+               "optimizer.exp_avg_sq_dtype=fp16"]  # fmt: skip
+
+
+def test_config_keys_reach_the_cpu_part_and_the_plan():
+    from engine.build import build_optimizer
+    from engine.config import load_config
+    from engine.optim.param_groups import named_parameter_groups
+    from engine.planning import plan
+
+    model = tiny_gpt()
+    cfg = load_config({}, overrides=OFFLOAD + NARROW_KEYS)
+    opt = build_optimizer(named_parameter_groups(model, None, 0.0), cfg, model)
+    opt._build()
+    assert (opt.cpu.host.m.flat.dtype, opt.cpu.host.v.flat.dtype) == (torch.bfloat16, torch.float16)
+    opt.close()
+    shape = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+             "model.vocab_size=256", "train.micro_batch_size=2", "train.global_batch_size=4"]  # fmt: skip
+    plans = [plan(load_config({}, shape + OFFLOAD + extra), gpu_budget_bytes=1 << 30, host_budget_bytes=1 << 30)
+             for extra in ([], NARROW_KEYS)]  # fmt: skip
+    n_cpu = plans[0].cpu_parameters
+    assert n_cpu > 0 and plans[1].cpu_parameters == n_cpu
+    wide, thin = (p.to_json() for p in plans)
+    for part in ("exp_avg", "exp_avg_sq"):
+        assert wide["host"]["parts"][f"optimizer.{part}"] == 4 * n_cpu
+        assert thin["host"]["parts"][f"optimizer.{part}"] == 2 * n_cpu
+    assert load_config({}).optimizer.exp_avg_dtype == "fp32"  # default unchanged
+
+
+@pytest.mark.parametrize(("over", "key"), [
+    (OFFLOAD + ["optimizer.exp_avg_dtype=bf16"], "optimizer.exp_avg_dtype"),  # without the switch
+    (NARROW_KEYS[:2], "optimizer.exp_avg_dtype"),  # no CPU-stepped part
+    (OFFLOAD + ["optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_sq_dtype=fp8"],
+     "optimizer.exp_avg_sq_dtype"),
+    (["optimizer.main_params_dtype=fp16"], "optimizer.main_params_dtype"),
+    (["optimizer.main_grads_dtype=bf16"], "optimizer.main_grads_dtype"),
+])  # fmt: skip
+def test_what_is_not_built_is_refused_in_one_line(over, key):
+    from engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config({}, overrides=over)
+    assert key in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)

@@ -244,6 +244,48 @@ def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterat
 
 
 @_rule(
+    "optimizer.use_precision_aware_optimizer",
+    "optimizer.main_params_dtype",
+    "optimizer.main_grads_dtype",
+    "optimizer.exp_avg_dtype",
+    "optimizer.exp_avg_sq_dtype",
+    "optimizer.implementation",
+    "optimizer.optimizer",
+    "optimizer.optimizer_cpu_offload",
+    "optimizer.optimizer_offload_fraction",
+    "optimizer.use_torch_optimizer_for_cpu_offload",
+    "optimizer.cpu_offload_gpu_assist",
+)
+def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    o = c.optimizer
+    if o.main_params_dtype != "fp32":
+        yield Problem("optimizer.main_params_dtype", "is built for fp32 only (megatron's fp16 main parameters are "
+                      "not); set optimizer.main_params_dtype='fp32'")  # fmt: skip
+    if o.main_grads_dtype != "fp32":
+        yield Problem("optimizer.main_grads_dtype", "is built for fp32 only; for bf16 gradient sums set "
+                      "optimizer.accumulate_allreduce_grads_in_fp32=false and "
+                      "optimizer.main_grads_dtype='fp32'")  # fmt: skip
+    narrow = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(o, k) != "fp32"]
+    for k in narrow:
+        if getattr(o, k) == "fp8":
+            yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16' or 'fp16'")
+        elif not o.use_precision_aware_optimizer:
+            yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
+                          f"set it, or set optimizer.{k}='fp32'")  # fmt: skip
+        elif o.implementation != "engine" or o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
+            yield Problem(f"optimizer.{k}", "narrows the engine's own CPU AdamW's states only: set "
+                          "optimizer.implementation='engine', optimizer.optimizer='adam' and "
+                          f"use_torch_optimizer_for_cpu_offload=false, or optimizer.{k}='fp32'")  # fmt: skip
+        elif not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
+            yield Problem(f"optimizer.{k}", "narrows the CPU-stepped part's states, which exist only with "
+                          "optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction > 0 (the "
+                          f"GPU-stepped part keeps fp32); set them, or set optimizer.{k}='fp32'")  # fmt: skip
+        elif o.cpu_offload_gpu_assist:
+            yield Problem(f"optimizer.{k}", "does not combine with optimizer.cpu_offload_gpu_assist=true (the "
+                          "assist streams fp32 states); set one of them back")  # fmt: skip
+
+
+@_rule(
     "optimizer.delayed_param_update",
     "optimizer.implementation",
     "optimizer.optimizer_cpu_offload",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 WEIGHT_RING = 2  # half-weight upload buffers: one being filled by the CPU step while the other is copied
 _FP32 = 4
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # optimizer.exp_avg_dtype / exp_avg_sq_dtype -> bytes
 
 
 def speculation_units(unit_numels: list[int], spare_bytes_per_element: int, budget_bytes: int) -> list[int]:

@@ -80,6 +80,7 @@ def whole_number(name: str, value: object) -> int:
 
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the config's names
 _FLAGS = ("overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload",
           "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist")  # fmt: skip
 

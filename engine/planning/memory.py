@@ -28,7 +28,7 @@ from typing import Any
 
 from engine.config import Config
 from engine.optim.distributed import partition
-from engine.optim.host_plan import cpu_side_host_bytes
+from engine.optim.host_plan import STATE_BYTES, cpu_side_host_bytes
 from engine.optim.partition import split_for_offload
 from engine.planning.activations import Saved
 from engine.planning.census import Census
@@ -64,6 +64,7 @@ class Settings:
     use_torch: bool
     gpu_assist: bool
     speculation_bytes: int
+    moment_bytes: tuple[int, int]  # optimizer.exp_avg_dtype, exp_avg_sq_dtype on the CPU-stepped part
     delayed: bool  # optimizer.delayed_param_update: a GPU shadow of the CPU-stepped weights, no speculation
     distributed: bool
     layer_offload: bool
@@ -93,6 +94,7 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         use_torch=o.optimizer_cpu_offload and o.use_torch_optimizer_for_cpu_offload,
         gpu_assist=o.cpu_offload_gpu_assist,
         speculation_bytes=o.speculation_buffer_mb * MIB,
+        moment_bytes=(STATE_BYTES[o.exp_avg_dtype], STATE_BYTES[o.exp_avg_sq_dtype]),
         delayed=o.optimizer_cpu_offload and o.delayed_param_update,
         distributed=o.use_distributed_optimizer and world > 1,
         layer_offload=m.cpu_offloading,
@@ -318,7 +320,9 @@ def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int,
         optimizer = cpu_side_host_bytes(list(units.values()), kind=s.kind, use_torch=s.use_torch,
                                         half_bytes=2 if s.half else 0, grad_bytes=g_final,
                                         speculate=s.overlap and not s.delayed,
-                                        speculation_buffer_bytes=s.speculation_bytes)  # fmt: skip
+                                        speculation_buffer_bytes=s.speculation_bytes,
+                                        exp_avg_bytes=s.moment_bytes[0],
+                                        exp_avg_sq_bytes=s.moment_bytes[1])  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},
                 "activation_pool": sum(pool_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip
