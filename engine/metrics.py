@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -49,13 +50,37 @@ def run_header(config: dict[str, Any], resumed_from: dict[str, Any] | None) -> d
     }
 
 
-def read_runs(path: str | Path) -> list[dict[str, Any]]:
-    """A metrics file as its runs: [{"header": run header or None, "records": [iteration records]}]."""
-    runs: list[dict[str, Any]] = []
-    for line in Path(path).read_text().splitlines():
+class MetricsFileError(ValueError):
+    """A metrics file line that is not a record; the message names the file and the line."""
+
+
+def _records(path: str | Path, warn: Callable[[str], None] | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each line; a cut-short last line (a crash or a full disk) is left out with a
+    warning, any other line that is not a JSON object is an error naming the file and the line."""
+    text = Path(path).read_text(errors="replace")
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                if warn:
+                    warn(f"{path}:{number}: the last line is cut short (a crash or a full disk?); left out")
+                return
+            raise MetricsFileError(f"{path}:{number}: not a JSON line ({e.msg} at column {e.colno})") from None
+        if not isinstance(rec, dict) or not ("record" in rec or isinstance(rec.get("iteration"), int)):
+            raise MetricsFileError(f"{path}:{number}: not a metrics record (a run header or an iteration record)")
+        yield number, rec
+
+
+def read_runs(path: str | Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """A metrics file as its runs: [{"header": run header or None, "records": [iteration records]}].
+
+    Raises MetricsFileError naming the file and the line of a line that is not a record."""
+    runs: list[dict[str, Any]] = []
+    for _, rec in _records(path, warn):
         if rec.get("record") == "run":
             runs.append({"header": rec, "records": []})
         else:

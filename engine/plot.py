@@ -8,7 +8,6 @@ in the same file. Skipped (non-finite) steps show as gaps in the loss and as cro
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,16 @@ from engine.metrics import read_runs
 GIB = 1024**3
 
 
+NEEDED = ("iteration", "tokens_per_s", "peak_memory_bytes")  # what every drawn record must carry
+
+
 def series(path: str | Path) -> list[tuple[str, list[dict[str, Any]]]]:
     """(label, iteration records) per line to draw from one metrics file."""
     stem, lines = Path(path).stem, []
-    for run in read_runs(path):
+    for run in read_runs(path, warn=lambda line: print(f"warning: {line}", file=sys.stderr)):
+        for rec in run["records"]:
+            if missing := [key for key in NEEDED if key not in rec]:
+                raise ValueError(f"{path}: the record of iteration {rec['iteration']} has no {missing[0]!r}")
         resumed = run["header"] is not None and run["header"].get("resumed_from") is not None
         if resumed and lines:
             lines[-1][1].extend(run["records"])
@@ -87,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: bin/plot needs matplotlib: pip install 'offload-engine[plot]'", file=sys.stderr)
         return 1
-    except (OSError, ValueError, KeyError) as e:  # a missing file, a line that is not JSON, a foreign record
-        what = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, json.JSONDecodeError)) else str(e)
-        print(f"error: {what.splitlines()[0]}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # a missing file, a line that is not a record (named with its file and line)
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     print(f"wrote {written}")
     return 0

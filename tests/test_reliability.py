@@ -468,3 +468,28 @@ def test_bin_plot_draws_runs_to_a_png(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert plot.main([str(tmp_path / "missing.jsonl")]) == 1
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_bin_plot_leaves_out_a_cut_short_last_line_and_names_file_and_line_of_a_bad_one(tmp_path, capsys):
+    m = tmp_path / "m.jsonl"
+    assert bin_train(capsys, "train.train_iters=3", f"logging.metrics_file={m}")[0] == 0
+    whole = m.read_text()
+    m.write_text(whole[: len(whole) - 40])  # a crash or a full disk cut the last record short
+    out = tmp_path / "m.png"
+    assert plot.main([str(m), "-o", str(out)]) == 0 and out.is_file()
+    assert [r["iteration"] for r in read_runs(m)[0]["records"]] == [1, 2]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {m}:4: the last line is cut short (a crash or a full disk?); left out"]
+    lines = whole.splitlines()
+    for bad, message in [
+        (lines[2][:30], "not a JSON line ("),
+        ("[1, 2]", "not a metrics record"),
+        ('{"loss": 1.0}', "not a metrics record"),
+    ]:
+        m.write_text("\n".join([lines[0], lines[1], bad, lines[3]]) + "\n")  # the bad line is line 3
+        assert plot.main([str(m), "-o", str(out)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {m}:3: {message}"), err
+    m.write_text(lines[0] + "\n" + json.dumps({"iteration": 1, "loss": 2.0}) + "\n")
+    assert plot.main([str(m), "-o", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {m}: the record of iteration 1 has no 'tokens_per_s'"
