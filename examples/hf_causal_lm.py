@@ -3,8 +3,12 @@
     python examples/hf_causal_lm.py --preset tiny --device cpu --steps 3           # a tiny random Llama, CPU
     python examples/hf_causal_lm.py --model path/to/local/dir --save out/          # config (and weights) from a dir
     python examples/hf_causal_lm.py --preset llama-1.1b --activation-layers 21 --optimizer-fraction 0.5
+    python examples/hf_causal_lm.py --preset llama3-8b --seq 4096 --micro-batch 1 --accum 8 --params-dtype half \
+        --optimizer-fraction auto --activation-layers auto        # Llama-3-8B's shape on one H200: the plan picks
 
-The model is built from its config (random weights) unless the directory holds weights; nothing is downloaded.
+The model is built from its config (random weights, on the training device, in bf16 under --params-dtype half)
+unless the directory holds weights; nothing is downloaded. The first micro-batch is given to engine.initialize as
+`example_batch`: the memory plan measures the activations, logits and loss at that shape (which "auto" needs).
 Batches are written the HF way (`input_ids`, `attention_mask`, `labels`) and there is no loss_fn: the model's
 own loss is used. The data are byte tokens of the Python standard library's sources (real text on every
 machine); bring your own tokenized batches for real training. The last line is a JSON record of the run
@@ -14,6 +18,7 @@ machine); bring your own tokenized batches for real training. The last line is a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -27,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import engine  # noqa: E402
 from engine.data import stdlib_bytes  # noqa: E402
 from engine.metrics import format_bytes  # noqa: E402
+from engine.planning import preflight  # noqa: E402
+from engine.planning.budget import peak_rss_bytes  # noqa: E402
 
 PRESETS = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -34,6 +41,10 @@ PRESETS = {
     # TinyLlama-1.1B's shape
     "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+    # Llama-3-8B's shape (8.03 B parameters)
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0),
 }  # fmt: skip
 
 
@@ -47,8 +58,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
-    p.add_argument("--activation-layers", type=int, default=0, help="layers whose activations go to the host")
-    p.add_argument("--optimizer-fraction", type=float, default=0.0, help="share of the optimizer the CPU steps")
+    p.add_argument(
+        "--activation-layers",
+        type=_count_or_auto,
+        default=0,
+        help='layers whose activations go to the host, or "auto": the memory plan chooses',
+    )
+    p.add_argument(
+        "--optimizer-fraction",
+        type=_fraction_or_auto,
+        default=0.0,
+        help='share of the optimizer the CPU steps, or "auto": the memory plan chooses',
+    )
+    p.add_argument("--layers", type=int, default=None, help="another depth of the preset (a twin that fits)")
+    p.add_argument("--clip", type=float, default=1.0, help="optimizer.clip_grad")
+    p.add_argument("--delayed", action="store_true", help="optimizer.delayed_param_update")
+    p.add_argument("--recompute", action="store_true", help='model.recompute_granularity="full"')
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--params-dtype", choices=["fp32", "half"], default="fp32")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -58,12 +83,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _count_or_auto(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def _fraction_or_auto(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     import transformers
 
+    dtype = torch.bfloat16 if args.params_dtype == "half" and args.precision == "bf16" else torch.float32
     with device:  # initialised where it trains: no host copy of a large model
         if args.model is None:
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**PRESETS[args.preset]))
+            shape = {**PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {})}
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)  # built in its training dtype: no fp32 copy of 8 B parameters
+            try:
+                return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+            finally:
+                torch.set_default_dtype(previous)
         folder = Path(args.model)
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
@@ -83,14 +123,26 @@ def batches(seq: int, micro_batch: int, seed: int = 0):
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
-    out = []
+    out = [f"optimizer.clip_grad={args.clip}"]
     if args.activation_layers:
         out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={args.activation_layers}"]
     if args.optimizer_fraction:
         out += ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
                 f"optimizer.optimizer_offload_fraction={args.optimizer_fraction}",
                 "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]  # fmt: skip
+    if args.delayed:
+        out += ["optimizer.delayed_param_update=true", "optimizer.delayed_param_update_warmup=1"]
+    if args.recompute:
+        out += ["model.recompute_granularity=full"]
     return out + args.override
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """6N + 12*L*h*s: N the matmul weights (attention, MLP, output head; embeddings and norms not counted)."""
+    h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    n = layers * (2 * h * h + 2 * h * kv + 3 * h * f) + h * cfg.vocab_size
+    return 6 * n + 12 * layers * h * seq
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,21 +156,36 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     model = build_model(args, device)
-    eng, _, _ = engine.initialize(model=model, config=config, overrides=overrides(args))
+    data, times, losses = batches(args.seq, args.micro_batch), [], []
+    first = next(data)
+    eng, _, _ = engine.initialize(model=model, config=config, overrides=overrides(args), example_batch=first)
+    data = itertools.chain([first], data)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    data, times, losses = batches(args.seq, args.micro_batch), [], []
     for step in range(args.steps):
         start = time.perf_counter()
         losses.append(eng.train_batch(data))  # the loss's .item() waits for the step's GPU work
         times.append(time.perf_counter() - start)
         print(f"step {step + 1}/{args.steps}: loss {losses[-1]:.4f}, {times[-1]:.3f} s", flush=True)
     timed = times[args.warmup :] or times
+    c = eng.config
+    _, plan = preflight.last()
+    s_per_iter = statistics.median(timed)
+    tokens = c.train.global_batch_size * args.seq
     result = {
         "model": args.model or args.preset,
-        "activation_layers": args.activation_layers,
-        "optimizer_fraction": args.optimizer_fraction,
-        "s_per_iter": statistics.median(timed),
+        "layers": model.config.num_hidden_layers,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "activation_layers": c.model.cpu_offloading_num_layers if c.model.cpu_offloading else 0,
+        "optimizer_fraction": c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0,
+        "auto": {k: v for k, v in plan.auto.items() if v},
+        "s_per_iter": s_per_iter,
+        "tokens_per_s": tokens / s_per_iter,
+        "tflops": tokens * flops_per_token(model.config, args.seq) / s_per_iter / 1e12,
+        "plan_gpu_bytes": plan.gpu.total_bytes,
+        "plan_host_bytes": plan.host.total_bytes,
+        "plan_fits": plan.fits,
+        "peak_host_bytes": peak_rss_bytes(),
         "peak_gpu_bytes": eng.peak_memory_bytes() if device.type == "cuda" else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],

@@ -51,3 +51,12 @@ def test_custom_model_trains_with_both_offloads(tmp_path):
     losses = load("custom_model").main(["--device", "cpu", "--steps", "6", "--save", str(tmp_path)])
     assert losses[-1] < losses[0]
     assert any(tmp_path.iterdir())
+
+
+def test_hf_causal_lm_auto_plans_at_its_first_batch():
+    pytest.importorskip("transformers")
+    result = load("hf_causal_lm").main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--seq", "64",
+                                        "--optimizer-fraction", "auto", "--activation-layers", "auto",
+                                        "--params-dtype", "half"])  # fmt: skip
+    assert set(result["auto"]) == {"optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers"}
+    assert result["plan_fits"] and result["tflops"] > 0
