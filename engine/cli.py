@@ -20,7 +20,7 @@ from tqdm import tqdm
 from engine import checkpoint, dist, locks, signals
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
-from engine.metrics import MetricsLog, format_bytes, run_header
+from engine.metrics import MetricsLog, MetricsWriteError, format_bytes, run_header
 from engine.planning import preflight
 from engine.planning.budget import Budgets, parse_gib, peak_rss_bytes
 from engine.resources import config_file, data_path
@@ -261,7 +261,7 @@ def train_main(argv: list[str] | None = None) -> int:
             raise
         # raised with a message naming the key
         ours = isinstance(e, (ValueError, FileNotFoundError, checkpoint.CheckpointError, TrainingDiverged,
-                              locks.LockedError))  # fmt: skip
+                              locks.LockedError, locks.LockFileError, MetricsWriteError))  # fmt: skip
         message = f"{e if ours else f'{type(e).__name__}: {e}'}".splitlines()[0]
         print(f"error: {dist.report_failure(message)}", file=sys.stderr)  # the other ranks exit with it too
         return 1

@@ -20,6 +20,10 @@ class LockedError(RuntimeError):
     """Another process holds the lock; the message names the key, the path and the holder's PID."""
 
 
+class LockFileError(OSError):
+    """The lock file cannot be made or written (a full disk, no permission); the message names the key and path."""
+
+
 _HELD: dict[str, tuple[int, int]] = {}  # lock file's real path -> (fd, how many holders in this process)
 
 
@@ -41,28 +45,41 @@ def acquire(path: str | os.PathLike, key: str, *, directory: bool) -> str:
     Raises LockedError naming `key`, `path` and the holder's PID when another process holds it.
     """
     lock = lock_path_for(path, directory=directory)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    real = os.path.realpath(lock)
-    if real in _HELD:
-        fd, n = _HELD[real]
-        _HELD[real] = (fd, n + 1)
-        return real
-    fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        real = os.path.realpath(lock)
+        if real in _HELD:
+            fd, n = _HELD[real]
+            _HELD[real] = (fd, n + 1)
+            return real
+        fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _unwritable(key, path, lock, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
         raise LockedError(
             f"{key}={str(path)!r} is in use by another run ({holder}); wait for it to finish, or set a different {key}"
         ) from None
+    except OSError as e:
+        os.close(fd)
+        raise _unwritable(key, path, lock, e) from None
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _HELD[real] = (fd, 1)
     return real
+
+
+def _unwritable(key: str, path: str | os.PathLike, lock: Path, e: OSError) -> LockFileError:
+    return LockFileError(
+        f"{key}={str(path)!r}: cannot write its lock file {str(lock)!r} ({e.strerror or e}); free space "
+        f"there or set a different {key}"
+    )  # fmt: skip
 
 
 def release(lock_id: str) -> None:

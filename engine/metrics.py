@@ -3,15 +3,17 @@ JSON), the same scalars for TensorBoard, the progress bar's numbers and the end-
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import statistics
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 
 def format_bytes(n: float) -> str:
@@ -90,6 +92,10 @@ def read_runs(path: str | Path, warn: Callable[[str], None] | None = None) -> li
     return runs
 
 
+class MetricsWriteError(OSError):
+    """The metrics file cannot be written (a full disk, no permission); the message names the key and the path."""
+
+
 class MetricsLog:
     """Appends one JSON object per record to `path` (None: keeps them in memory only), after the run's
     header record; with `tensorboard_dir`, the same scalars as TensorBoard events (torch.utils.tensorboard)."""
@@ -99,11 +105,14 @@ class MetricsLog:
     ) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        self._file: IO[str] | None = None
+        self._file: Any = None
         self._tb: Any = None
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a")
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(path, "ab", buffering=0)  # whole lines through os.write: a failed one is undone
+            except OSError as e:
+                raise self._unwritable(e) from None
             if header is not None:
                 self._write_line(header)
         if tensorboard_dir:
@@ -113,9 +122,25 @@ class MetricsLog:
             if header is not None:
                 self._tb.add_text("run", json.dumps(strict(header), indent=1))
 
+    def _unwritable(self, e: OSError) -> MetricsWriteError:
+        return MetricsWriteError(
+            f"logging.metrics_file={self.path!r}: cannot write it ({e.strerror or e}); free space there "
+            "or set logging.metrics_file to another place (null: no file)"
+        )  # fmt: skip
+
     def _write_line(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
-        self._file.flush()
+        """One whole line, or nothing: a write cut short (a full disk) is truncated away before the error."""
+        data = (json.dumps(strict(record), allow_nan=False) + "\n").encode()
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise self._unwritable(e) from None
 
     def write(self, record: dict[str, Any]) -> None:
         record = strict(record)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import checkpoint, plot
+from engine import checkpoint, locks, plot
 from engine.cli import train_main
 from engine.engine import Engine
 from engine.metrics import format_bytes, read_runs
@@ -493,3 +493,76 @@ def test_bin_plot_leaves_out_a_cut_short_last_line_and_names_file_and_line_of_a_
     m.write_text(lines[0] + "\n" + json.dumps({"iteration": 1, "loss": 2.0}) + "\n")
     assert plot.main([str(m), "-o", str(out)]) == 1
     assert capsys.readouterr().err.strip() == f"error: {m}: the record of iteration 1 has no 'tokens_per_s'"
+
+
+# --- a full disk: one line naming the key and the path; no cut-short line left behind ------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs (root only; elsewhere these tests use the injected ENOSPC below)."""
+    root = tmp_path / "small"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    yield root
+    subprocess.run(["umount", "-l", str(root)], check=True)  # lazy: a failed test may still hold a file open
+
+
+def fill(root: Path) -> None:
+    with open(root / "filler", "wb", buffering=0) as f:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(b"x" * 4096)
+
+
+def whole_lines(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert not text or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_and_leaves_whole_lines(small_fs, capsys):
+    m = small_fs / "m.jsonl"
+    m.write_text('{"record": "run"}\n')  # a page of its own: what a write may still fill before ENOSPC
+    locks.lock_path_for(m, directory=False).write_text("1\n")
+    fill(small_fs)
+    code, _, err = bin_train(capsys, "train.train_iters=20", f"logging.metrics_file={m}")
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: logging.metrics_file={str(m)!r}: cannot write it (No space left on device); free space there or "
+        "set logging.metrics_file to another place (null: no file)"
+    ]
+    assert whole_lines(m)[0] == {"record": "run"}  # every line whole: the one cut short was taken back
+
+
+def test_a_full_disk_under_the_lock_is_one_line(small_fs, capsys):
+    (small_fs / "ck").mkdir()
+    fill(small_fs)
+    code, _, err = bin_train(capsys, "train.train_iters=2", f"checkpoint.save={small_fs / 'ck'}",
+                             "logging.metrics_file=null")  # fmt: skip
+    lock = small_fs / "ck" / ".lock"
+    assert code == 1 and err.strip().splitlines() == [
+        f"error: checkpoint.save={str(small_fs / 'ck')!r}: cannot write its lock file {str(lock)!r} (No space left "
+        "on device); free space there or set a different checkpoint.save"
+    ]
+
+
+def test_an_injected_enospc_mid_line_takes_the_line_back(tmp_path, monkeypatch):
+    """The same without a small filesystem: a write that stores half a line, then ENOSPC."""
+    from engine import metrics
+
+    m = tmp_path / "m.jsonl"
+    log = metrics.MetricsLog(str(m), {"record": "run"})
+    real = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 8:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "write", half_then_full)
+    with pytest.raises(metrics.MetricsWriteError, match=r"logging.metrics_file=.*m.jsonl.*No space left on device"):
+        log.write({"iteration": 1, "loss": 2.0})
+    monkeypatch.undo()
+    log.close()
+    assert whole_lines(m) == [{"record": "run"}]
