@@ -69,8 +69,8 @@ def rise(losses: list[float]) -> float:
 
 def table(te: bool, iters: int, tiny: bool, out: Path) -> list[str]:
     layers = 2 if tiny else 4
-    shape = [*(TINY if tiny else SHAPE), f"train.train_iters={iters}",
-             f"optimizer.lr_warmup_iters={max(1, iters // 4)}", f"model.use_te={'true' if te else 'false'}"]  # fmt: skip
+    warmup = f"optimizer.lr_warmup_iters={max(1, iters // 4)}"
+    shape = [*(TINY if tiny else SHAPE), f"train.train_iters={iters}", warmup, f"model.use_te={str(te).lower()}"]
     tag = "te" if te else "local"
     runs: dict[str, list[dict]] = {}
     lines = [f"### megatron-core GPT, {'TE' if te else 'local'} spec, {iters} iterations",
