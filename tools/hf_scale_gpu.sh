@@ -6,7 +6,8 @@
 # choice and its GPU/host bytes against the measured peaks, s/iter, tokens/s, TFLOP/s (6N + 12*L*h*s per
 # token) and its ratio to the 16-layer twin (same shape, fits without offload, same tokens per step).
 #   main   seq 4096: "auto" (fraction and offloaded layers), the 16-layer twin, "auto" with the delayed update
-#   grid   seq 4096, hand rows: f 0.3/0.5 x offloaded layers 8/16/24, and full recompute at f 0.3/0.5
+#   grid   seq 4096, hand rows from GRID (default "0.3:16 0.3:24 0.5:8 0.5:16 0.3:rc"; rc = full recompute, no
+#          activation offload): a second call with e.g. GRID="0.3:8 0.5:24 0.5:rc" covers the rest
 #   long   seq 16384: "auto", and its 16-layer twin at "auto"
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
 #   tools/hf_scale_gpu.sh .whl main|grid|long
@@ -37,10 +38,12 @@ case "$PART" in
     row twin "$SEQ" --layers "$TWIN"
     row auto "$SEQ" $AUTO
     row dpu "$SEQ" $AUTO --delayed ;;
-  grid) ROWS="f0.3k8 f0.3k16 f0.3k24 f0.5k8 f0.5k16 f0.5k24 f0.3rc f0.5rc"
-    for f in 0.3 0.5; do for k in 8 16 24; do row "f${f}k$k" "$SEQ" --optimizer-fraction $f --activation-layers $k; done; done
-    row f0.3rc "$SEQ" --optimizer-fraction 0.3 --recompute
-    row f0.5rc "$SEQ" --optimizer-fraction 0.5 --recompute ;;
+  grid) ROWS=""  # GRID: FRACTION:LAYERS or FRACTION:rc (full recompute) rows; 5 rows take about 8 minutes
+    for cell in ${GRID:-0.3:16 0.3:24 0.5:8 0.5:16 0.3:rc}; do
+      f=${cell%%:*}; k=${cell##*:}; name="f${f}k$k"; ROWS="$ROWS $name"
+      if [ "$k" = rc ]; then row "$name" "$SEQ" --optimizer-fraction "$f" --recompute
+      else row "$name" "$SEQ" --optimizer-fraction "$f" --activation-layers "$k"; fi
+    done ;;
   long) ROWS="twin16k auto16k"
     row twin16k "$LONG" --layers "$TWIN" $AUTO
     row auto16k "$LONG" $AUTO ;;
