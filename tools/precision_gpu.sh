@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call, about 8-9 minutes on one H200 (guards: 330 s + 230 s): narrow optimizer states
+# (optimizer.use_precision_aware_optimizer with bf16 exp_avg/exp_avg_sq on the CPU-stepped part).
+#  1. bin/bench scale at the 8 B shape (hidden 4096 x 40, f=0.3, exact): the 16-layer fitting twin, fp32 states,
+#     and bf16 states; TFLOP/s, ratio to the twin, CPU step ms per row (table last in scale.log).
+#  2. the ceiling recipe configs/17b-h200-bf16-states.json (54 x 5120, 17.0 B, the largest the plan admits on one
+#     H200 + 125 GiB with bf16 CPU-side moments) for its 10 iterations: the losses printed last.
+# Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
+#   tools/precision_gpu.sh [WHEEL_DIR=.whl]
+# On CPU (a check of the script at tiny shapes): PRECISION_TINY=1 tools/precision_gpu.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1
+WHL=${1:-.whl}; shift || true
+NARROW=optimizer.use_precision_aware_optimizer=true,optimizer.exp_avg_dtype=bf16,optimizer.exp_avg_sq_dtype=bf16
+if [ "${PRECISION_TINY:-0}" = 1 ]; then
+  OUT=${OUT:-$(mktemp -d)}
+  SCALE=(--layers-fit 1 --layers 2 --hidden 32 --seq 16 --global-batch 2 --iters 2 --warmup 1 --data-bytes 100000
+         --device cpu)
+  CEILING=(model.num_layers=2 model.hidden_size=64 model.num_attention_heads=4 model.seq_length=32 train.device=cpu
+           train.precision=fp32 train.params_dtype=fp32 train.train_iters=3 train.global_batch_size=2
+           model.cpu_offloading=false model.cpu_offloading_num_layers=0 optimizer.optimizer_offload_fraction=0.5
+           optimizer.lr_warmup_iters=1 data.max_bytes=100000)
+else
+  source "$(dirname "$0")/device_env.sh" "$WHL"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  SCALE=()
+  CEILING=()
+fi
+echo "== 8 B at f=0.3 exact: fp32 states against bf16 states, and the 16-layer twin"
+timeout 330 python3 bin/bench scale --rows fit,exact --variant "bf16-states:$NARROW" --json "$OUT/scale.json" \
+  "${SCALE[@]}" 2>&1 | tee "$OUT/scale.log"
+echo "== ceiling: configs/17b-h200-bf16-states.json"
+timeout 230 python3 bin/train configs/17b-h200-bf16-states.json "${CEILING[@]}" \
+  logging.metrics_file="$OUT/ceiling.jsonl" 2>&1 | tail -40 | tee "$OUT/ceiling.log"
+python3 - "$OUT/ceiling.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+rows = [r for r in rows if "loss" in r]
+print("iteration  loss     ms/iter")
+for r in rows:
+    print(f"{r.get('iteration', '?'):>9}  {r['loss']:.4f}  {r.get('iteration_ms', float('nan')):.0f}")
+if len(rows) > 1:
+    print(f"loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} ({'falling' if rows[-1]['loss'] < rows[0]['loss'] else 'NOT falling'})")
+EOF
+echo "command: tools/precision_gpu.sh $WHL"
