@@ -80,7 +80,8 @@ def test_what_cannot_fit_is_one_line_exit_2(capsys, overrides, pattern):
 def test_budget_flags_must_be_positive_numbers(capsys, value):
     rc, out, err = run(capsys, "--plan", "--gpu-memory", value)
     assert rc == 2
-    assert err.strip() == f"error: --gpu-memory {value}: expected a positive number of GiB, e.g. --gpu-memory 139"
+    expected = f"error: --gpu-memory {value}: expected a positive number of GiB up to 1,048,576, e.g. --gpu-memory 139"
+    assert err.strip() == expected
     with pytest.raises(ValueError, match="--host-memory"):
         parse_gib("--host-memory", value)
     assert parse_gib("--host-memory", "0.5") == GIB // 2

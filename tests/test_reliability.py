@@ -566,3 +566,20 @@ def test_an_injected_enospc_mid_line_takes_the_line_back(tmp_path, monkeypatch):
     monkeypatch.undo()
     log.close()
     assert whole_lines(m) == [{"record": "run"}]
+
+
+@pytest.mark.parametrize("value", ["1e300", "1e7", "nan", "inf", "-1", "0", "lots"])
+def test_an_absurd_memory_budget_is_one_line_exit_2(value, capsys):
+    assert train_main(["--plan", "--gpu-memory", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --gpu-memory {value}: expected a positive number of GiB up to 1,048,576, e.g. "
+                   "--gpu-memory 139"]  # fmt: skip
+
+
+def test_a_5000_digit_integer_in_a_config_is_one_line_exit_2(tmp_path, capsys):
+    path = tmp_path / "big.json"
+    path.write_text('{"train": {"seed": ' + "9" * 5000 + "}}")
+    assert train_main([str(path), "--print-config"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}: an integer of 5,000 digits (999999999999...); a config's integers have at most 100 digits"
+    ]

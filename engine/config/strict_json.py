@@ -57,6 +57,21 @@ def _bounds(value: Any, where: str) -> list[str]:
     return problems
 
 
+MAX_INT_DIGITS = 100  # no key needs more; Python refuses to convert past 4300 with advice meant for programmers
+
+
+class _TooLong(ValueError):
+    def __init__(self, text: str) -> None:
+        super().__init__(text[:20])
+        self.digits, self.head = len(text.lstrip("-")), text[:12]
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _TooLong(text)
+    return int(text)
+
+
 def loads(text: str, where: str) -> tuple[Any, list[str]]:
     """(value, problems) of a config's JSON `text`; `where` starts each problem (a file or an override).
 
@@ -64,9 +79,12 @@ def loads(text: str, where: str) -> tuple[Any, list[str]]:
     if len(text) > MAX_TEXT:
         return None, [f"{where}: {len(text):,} characters; a config is at most {MAX_TEXT:,} (is this a config?)"]
     try:
-        value = json.loads(text, object_pairs_hook=_object)
+        value = json.loads(text, object_pairs_hook=_object, parse_int=_int)
     except RecursionError:
         return None, [f"{where}: nested too deeply to parse; a config nests at most {MAX_DEPTH} levels"]
+    except _TooLong as e:
+        return None, [f"{where}: an integer of {e.digits:,} digits ({e.head}...); a config's integers have at most "
+                      f"{MAX_INT_DIGITS} digits"]  # fmt: skip
     problems = [
         f"{where}: duplicate key {d}; JSON would keep only its last value: remove the other"
         for d in getattr(value, "duplicates", [])

@@ -26,14 +26,17 @@ class Budgets:
     host_bytes: int | None = None
 
 
+MAX_GIB = 1 << 20  # 1 PiB
+
+
 def parse_gib(flag: str, text: str) -> int:
     """A --gpu-memory / --host-memory value in GiB -> bytes; ValueError naming the flag otherwise."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{flag} {text}: expected a positive number of GiB, e.g. {flag} 139")
+    if not 0 < value <= MAX_GIB:  # NaN fails too; past MAX_GIB the byte count is no machine's
+        raise ValueError(f"{flag} {text}: expected a positive number of GiB up to {MAX_GIB:,}, e.g. {flag} 139")
     return int(value * GIB)
 
 
