@@ -52,7 +52,13 @@ class SkippedSteps:
             f"train.max_skipped_steps={self.limit}: stopping at iteration {iteration} after {self.consecutive} "
             f"consecutive skipped steps (loss {_show(loss)}, gradient norm {_show(grad_norm)})"
         )
-        if c.train.precision == "fp16" and math.isfinite(loss):
+        if c.train.precision == "fp16" and math.isfinite(loss) and c.train.loss_scale is not None:
+            # a static scale is the user's number: the overflow is the scale's, whatever the learning rate
+            cause = (
+                f"the static train.loss_scale ({c.train.loss_scale:g}) makes the fp16 gradients overflow (fp16's "
+                "largest value is 65504); lower train.loss_scale, or set it to null for the dynamic scale"
+            )
+        elif c.train.precision == "fp16" and math.isfinite(loss):
             cause = (
                 f'the fp16 gradients overflow even at loss scale {loss_scale:g}; use train.precision="bf16", or '
                 f"lower optimizer.lr ({c.optimizer.lr:g})"

@@ -583,3 +583,22 @@ def test_a_5000_digit_integer_in_a_config_is_one_line_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {path}: an integer of 5,000 digits (999999999999...); a config's integers have at most 100 digits"
     ]
+
+
+def test_a_static_loss_scale_that_overflows_is_blamed_not_the_learning_rate():
+    """fp16 at train.loss_scale=1e38 overflows on the scale alone: the message names the scale, not the lr."""
+    from engine.config import load_config
+    from engine.skips import SkippedSteps, TrainingDiverged
+
+    base = ["train.precision=fp16", "train.max_skipped_steps=2"]
+    static = SkippedSteps(load_config({}, [*base, "train.loss_scale=1e38"]))
+    static.update(False, 1, 5.0, float("inf"), 1e38)
+    with pytest.raises(TrainingDiverged) as caught:
+        static.update(False, 2, 5.0, float("inf"), 1e38)
+    cause = str(caught.value).split("likely cause: ")[1]
+    assert cause.startswith("the static train.loss_scale (1e+38) makes the fp16 gradients overflow")
+    assert "optimizer.lr" not in cause
+    dynamic = SkippedSteps(load_config({}, base))
+    dynamic.update(False, 1, 5.0, float("inf"), 1.0)
+    with pytest.raises(TrainingDiverged, match=r"overflow even at loss scale 1; .*lower optimizer.lr"):
+        dynamic.update(False, 2, 5.0, float("inf"), 1.0)
