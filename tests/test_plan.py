@@ -339,3 +339,34 @@ def test_fine_grained_pool_equals_the_offload_pools_allocation(modules):
         f"model.offload_modules={json.dumps(modules)}"])  # fmt: skip
     _, handle = _plan_and_pool(cfg, 2, lambda model: offload.apply_fine_grained_offloading(model, modules))
     handle.remove()
+
+
+def test_nothing_fits_names_the_least_gpu_memory_reachable_at_a_zero_budget():
+    """A budget of 0 bytes (--gpu-memory 1e-12) is still a budget: the message names the least GPU memory any
+    setting reaches (offloaded layers included), not the first one tried."""
+    cfg = auto_cfg(["optimizer.optimizer_offload_fraction=auto", "model.cpu_offloading=true",
+                    "model.cpu_offloading_num_layers=auto"])  # fmt: skip
+    p = planner(cfg, gpu_budget_bytes=0, host_budget_bytes=8 * GIB)
+    least = min(p.evaluate(1.0, k).gpu.total_bytes for k in range(p.max_layers() + 1))
+    assert least < p.evaluate(1.0, 0).gpu.total_bytes  # offloading layers lowers it: the two differ
+    with pytest.raises(NothingFits) as caught:
+        resolve(p)
+    assert f"the least GPU memory it reaches is {least / GIB:.1f} GiB" in str(caught.value)
+
+
+def test_host_refusal_advises_unsetting_checkpoint_save_only_where_that_fits():
+    from engine.planning.preflight import refusal
+
+    cfg = auto_cfg(["checkpoint.save=/tmp/ckpt", "optimizer.optimizer_offload_fraction=1.0"])
+    plan_at = lambda host: resolve(planner(cfg, gpu_budget_bytes=8 * GIB, host_budget_bytes=host))  # noqa: E731
+    phases = plan_at(8 * GIB).host.phases
+    assert phases["checkpoint"] > phases["training"]
+    budget = int(phases["training"] * 1.021) + 1  # training and its 2% margin fit; the checkpoint does not
+    between = plan_at(budget)
+    assert between.host.phase == "checkpoint" and not between.host.fits
+    p = planner(cfg, gpu_budget_bytes=8 * GIB, host_budget_bytes=between.host.budget_bytes)
+    assert "unset checkpoint.save" in refusal(p, between)
+    too_small = phases["training"] // 2  # not even training fits: unsetting checkpoint.save would not help
+    p = planner(cfg, gpu_budget_bytes=8 * GIB, host_budget_bytes=too_small)
+    said = refusal(p, resolve(p))
+    assert "checkpoint.save" not in said

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from engine.config import Config
 from engine.planning.census import Census
-from engine.planning.memory import GIB, Plan, Settings, evaluate
+from engine.planning.memory import GIB, DevicePlan, Plan, Settings, evaluate
 
 PCIE_BYTES_PER_S = 50e9
 CPU_PARAMS_PER_S = 3.6e9
@@ -174,7 +174,10 @@ class Planner:
         return replace(self.settings, cpu_offload=True)
 
 
+def _over(d: DevicePlan) -> int:
+    """Bytes over budget (a budget of 0 bytes is a budget: only None means none was checked)."""
+    return 0 if d.budget_bytes is None else max(0, d.total_bytes - d.budget_bytes)
+
+
 def _closeness(p: Plan) -> tuple[int, int]:
-    gpu_over = max(0, p.gpu.total_bytes - (p.gpu.budget_bytes or p.gpu.total_bytes))
-    host_over = max(0, p.host.total_bytes - (p.host.budget_bytes or p.host.total_bytes))
-    return (gpu_over, host_over)
+    return (_over(p.gpu), _over(p.host))

@@ -94,7 +94,7 @@ def refusal(p: Planner, plan: Plan) -> str:
     if plan.host.phase == "construction":
         return (f"{what} while the given model is on the host ({gib(plan.host.parts.get('model_construction', 0))}"
                 ' GiB); build it on the GPU or under torch.device("meta"), or use a smaller model')  # fmt: skip
-    if plan.host.phase == "checkpoint":
+    if plan.host.phase == "checkpoint" and _fits_without_checkpoint(p, plan):
         return (
             f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
             f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory"
@@ -109,6 +109,11 @@ def refusal(p: Planner, plan: Plan) -> str:
             if trial.fits:
                 return f"{what}; lower model.cpu_offloading_num_layers to <= {fewer}"
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
+
+
+def _fits_without_checkpoint(p: Planner, plan: Plan) -> bool:
+    """Whether the same settings fit once checkpoint.save is unset (else that advice would not help)."""
+    return p.evaluate(plan.fraction, plan.offloaded_layers, replace(p.settings, checkpoint_save=False)).fits
 
 
 def oom_line(error: BaseException) -> str:
