@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.models.gpt import gpt_loss
+from engine.models.linear_cross_entropy import model_loss as fused_loss
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _HOW = "pass loss_fn=lambda output, labels: <scalar loss> to engine.initialize"
@@ -100,6 +101,7 @@ class BatchLoss:
                  shifts: bool = False) -> None:  # fmt: skip
         self.loss_fn, self.passes_labels, self.float_dtype = loss_fn, passes_labels, float_dtype
         self.shifts = shifts  # a criterion as loss_fn on a causal LM: shift as the model's own loss does
+        self.fused: tuple[nn.Module, int] | None = None  # (output head, chunk tokens): fused linear cross-entropy
 
     @staticmethod
     def split(batch: Any) -> tuple[tuple, dict, Any]:
@@ -115,6 +117,9 @@ class BatchLoss:
         args, kwargs, labels = self.split(batch)
         args, kwargs = to_device((args, kwargs), device, self.float_dtype)
         labels = to_device(labels, device)  # uncast: a float target keeps its precision
+        if self.fused is not None and labels is not None:  # the head returns the loss; labels stay out
+            head, chunk = self.fused
+            return fused_loss(inner_module(model), head, labels, chunk, lambda: model(*args, **kwargs))
         if self.passes_labels and labels is not None:
             kwargs["labels"] = labels
         try:

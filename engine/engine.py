@@ -169,6 +169,20 @@ class Engine:
         self.step()
         return dist.average(total).item() / self.micro_batches_per_step
 
+    def use_fused_linear_cross_entropy(self, in_hand: bool) -> None:
+        """model.fused_linear_cross_entropy: the loss from the output head over chunks (models.linear_cross_entropy);
+        ValueError naming the key where it cannot act."""
+        from engine.batch import inner_module
+        from engine.models.linear_cross_entropy import output_head
+
+        if not in_hand or self.loss_fn is not None:
+            why = "the built-in GPT computes its own loss" if not in_hand else "loss_fn takes the whole logits"
+            raise ValueError(f"model.fused_linear_cross_entropy=true acts on an HF causal LM's own loss, and {why}; "
+                             "set it to false")  # fmt: skip
+        model = inner_module(self._module)
+        head = output_head(model, is_causal_lm(model))
+        self._batch_loss.fused = (head, self.config.model.fused_linear_cross_entropy_chunk_size)
+
     def _oom(self, error: torch.OutOfMemoryError, where: str) -> torch.OutOfMemoryError:
         """torch's out-of-memory error as the engine's one line (still a torch.OutOfMemoryError)."""
         if isinstance(error, oom.PlannedOutOfMemoryError):
@@ -380,5 +394,7 @@ def initialize(
     unused = cfg.train.find_unused_parameters
     eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn, offloader, world,
                  find_unused_parameters=in_hand if unused == "auto" else unused)  # fmt: skip
+    if cfg.model.fused_linear_cross_entropy:
+        eng.use_fused_linear_cross_entropy(in_hand)
     eng.planned = preflight.last()  # what the plan predicted, named by an out-of-memory error
     return eng, optimizer, scheduler
