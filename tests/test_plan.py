@@ -370,3 +370,19 @@ def test_host_refusal_advises_unsetting_checkpoint_save_only_where_that_fits():
     p = planner(cfg, gpu_budget_bytes=8 * GIB, host_budget_bytes=too_small)
     said = refusal(p, resolve(p))
     assert "checkpoint.save" not in said
+
+
+def test_the_mechanisms_state_the_gpu_bytes_they_allocate():
+    """The plan's gpu_assist_slots and delayed_update_shadow come from the mechanisms' own functions; each
+    function equals what its mechanism allocates (the assist's slots before any gradient dtype is staged)."""
+    from engine.optim.delayed import DelayedUpdate, shadow_gpu_bytes
+    from engine.optim.gpu_assist import SLOTS, GpuAssist, assist_gpu_bytes
+
+    n = 1000
+    staged = GpuAssist(n, torch.device("cpu")).staging_bytes()
+    assert staged == assist_gpu_bytes(n, grad_bytes=0) - SLOTS * 4 * n  # less the ops' temporaries
+    delayed = DelayedUpdate(warmup=0)
+    params = {"a": nn.Parameter(torch.zeros(7, 3, dtype=torch.bfloat16)), "b": nn.Parameter(torch.zeros(5))}
+    delayed.bind(params)
+    held = sum(t.numel() * t.element_size() for t in delayed.shadow.values())
+    assert held == shadow_gpu_bytes(21, 2) + shadow_gpu_bytes(5, 4)

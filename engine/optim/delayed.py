@@ -42,6 +42,12 @@ import torch
 DEFAULT_WARMUP = 40
 
 
+def shadow_gpu_bytes(cpu_numel: int, weight_bytes: int) -> int:
+    """GPU bytes of the shadow: every CPU-stepped weight once more, in the weights' dtype (`weight_bytes` per
+    element). The memory plan calls this; `DelayedUpdate.bind` allocates it."""
+    return weight_bytes * cpu_numel
+
+
 class DelayedUpdate:
     """The shadow weights, the warm-up count and whether an update is in flight; hybrid.py drives it."""
 

@@ -27,6 +27,15 @@ import torch
 from engine.optim import fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_
 
+SLOTS = 3  # staging slots: one coming in, one stepping, one going out
+
+
+def assist_gpu_bytes(largest_numel: int, grad_bytes: int, slots: int = SLOTS) -> int:
+    """GPU bytes the assist holds for a CPU part whose largest tensor has `largest_numel` elements: each slot's
+    fp32 p, m, v and g32 plus the gradient in its dtype (`grad_bytes` per element), and the ops' fp32
+    temporaries of the largest size (one per slot). The memory plan calls this; `GpuAssist` allocates it."""
+    return slots * (16 + grad_bytes) * largest_numel + slots * 4 * largest_numel
+
 
 class _Slot:
     def __init__(self, numel: int, device: torch.device) -> None:
@@ -36,7 +45,7 @@ class _Slot:
 
 
 class GpuAssist:
-    def __init__(self, max_numel: int, device: torch.device, slots: int = 3, host_lib=None) -> None:
+    def __init__(self, max_numel: int, device: torch.device, slots: int = SLOTS, host_lib=None) -> None:
         """host_lib: the CPU threads' compiled pass, used for the arithmetic where there is no CUDA."""
         self.device = device
         self.host_lib = host_lib

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import Config
+from engine.optim.delayed import shadow_gpu_bytes
 from engine.optim.distributed import partition
+from engine.optim.gpu_assist import assist_gpu_bytes
 from engine.optim.host_plan import STATE_BYTES, cpu_side_host_bytes
 from engine.optim.partition import split_for_offload
 from engine.planning.activations import Saved
@@ -224,11 +226,11 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
         "optimizer_states": states * n_gpu_side,
         "gpu_assist_slots": 0,
         "ddp_buckets": c.parameters * g_final if s.world > 1 else 0,
-        "delayed_update_shadow": s.weight_elem * n_cpu if s.delayed else 0,  # engine/optim/delayed.py
+        "delayed_update_shadow": shadow_gpu_bytes(n_cpu, s.weight_elem) if s.delayed else 0,
     }
     if s.gpu_assist and cpu_names:
         largest = max(numel[n] for n in cpu_names)
-        persistent["gpu_assist_slots"] = 3 * (16 + g_final) * largest + 3 * 4 * largest  # slots + op temporaries
+        persistent["gpu_assist_slots"] = assist_gpu_bytes(largest, g_final)
 
     # activations, layer by layer: what stays on the device, what moves (its stash sizes)
     acts = c.activations
