@@ -10,8 +10,16 @@ import torch
 from torch import nn
 
 from engine.config import Config, ModelConfig
-from engine.models.gpt import GPT
+from engine.models.gpt import GPT, ffn_size
 from engine.models.init import has_meta, materialize
+
+
+def gpt_shape(m: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
+    """The built-in GPT's shape from `model.*` (num_layers: another depth), as GPT's keyword arguments: the one
+    place both the builder and the memory plan read it."""
+    return {"num_layers": m.num_layers if num_layers is None else num_layers, "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length, "vocab_size": m.vocab_size,
+            "ffn_hidden_size": ffn_size(m.hidden_size, m.ffn_hidden_size)}  # fmt: skip
 
 
 def build_model(m: ModelConfig, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -30,12 +38,7 @@ def build_model(m: ModelConfig, device: torch.device, seed: int, dtype: torch.dt
                                  init_method_std=m.init_method_std, device=device, params_dtype=dtype)  # fmt: skip
     with torch.device("meta"):
         model = GPT(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            num_attention_heads=m.num_attention_heads,
-            seq_length=m.seq_length,
-            vocab_size=m.vocab_size,
-            ffn_hidden_size=m.ffn_hidden_size,
+            **gpt_shape(m),
             init_method_std=m.init_method_std,
             recompute_granularity=m.recompute_granularity,
             layers=layers,

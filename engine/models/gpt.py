@@ -16,6 +16,11 @@ from engine.messages import heads_divide_hidden
 from engine.models.init import draw_seed, init_transformer_
 
 
+def ffn_size(hidden_size: int, ffn_hidden_size: int | None = None) -> int:
+    """The MLP's width: as given, else 4 x hidden (GPT-2's, and Megatron's default)."""
+    return ffn_hidden_size or 4 * hidden_size
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, recompute_core: bool) -> None:
         super().__init__()
@@ -88,7 +93,7 @@ class GPT(nn.Module):
         super().__init__()
         if (why := heads_divide_hidden(hidden_size, num_attention_heads)) is not None:
             raise ValueError(f"model.hidden_size={hidden_size}: {why}")
-        ffn = ffn_hidden_size or 4 * hidden_size
+        ffn = ffn_size(hidden_size, ffn_hidden_size)
         self.seq_length = seq_length
         self.full_recompute = recompute_granularity == "full"
         # given weights, nn.Embedding skips its own normal_ init, which on the meta device imports torch._dynamo

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.build import gpt_shape
 from engine.config import Config
 from engine.optim.partition import forward_order, unit_of
 from engine.planning.activations import Activations, gpt_activations, measured_activations
@@ -102,10 +103,10 @@ def builtin_census(cfg: Config, *, cuda: bool, num_layers: int | None = None) ->
 
     m, t = cfg.model, cfg.train
     layers = m.num_layers if num_layers is None else num_layers
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    shape = gpt_shape(m, layers)
+    ffn = shape["ffn_hidden_size"]
     with torch.device("meta"):
-        model = GPT(num_layers=layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                    seq_length=m.seq_length, vocab_size=m.vocab_size, ffn_hidden_size=ffn)  # fmt: skip
+        model = GPT(**shape)
     half = t.params_dtype == "half"
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     order = forward_order([n for n, _ in named])

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import Config
+from engine.models.gpt import ffn_size
 from engine.optim.partition import forward_order
 from engine.planning.activations import FP32, Activations, Saved, gpt_activations
 from engine.planning.census import Census, Sized, _training_bytes
@@ -38,7 +39,7 @@ def megatron_census(cfg: Config, *, cuda: bool) -> Census:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     by_name = dict(named)
     order = forward_order([n for n, _ in named])
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = ffn_size(m.hidden_size, m.ffn_hidden_size)
     acts = gpt_activations(num_layers=m.num_layers, hidden=m.hidden_size, ffn=ffn, heads=m.num_attention_heads,
                            seq=m.seq_length, vocab=m.vocab_size, micro_batch=t.micro_batch_size,
                            precision=t.precision, params_dtype=t.params_dtype, recompute=m.recompute_granularity,
