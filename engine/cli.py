@@ -84,6 +84,7 @@ BENCHES = {
     "scale": "engine.bench.scale",
     "cpass": "engine.bench.cpass",
     "floors": "engine.bench.floors",
+    "peers": "engine.bench.peers",
 }
 
 

@@ -1,0 +1,84 @@
+"""bin/bench peers on CPU at a tiny shape: a row per peer (measured, or why not), each in its own process, and a
+loss column computed from the runs (a runner that perturbs one peer's update changes that row alone)."""
+
+import json
+import sys
+
+import pytest
+
+from engine.bench import peers
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--micro-batch", "2", "--iters", "3",
+        "--warmup", "1", "--fractions", "0.5", "--threads", "1", "--data-bytes", "200000",
+        "--timeout", "900"]  # fmt: skip
+
+
+def _rows(tmp_path, *argv, name="peers.json"):
+    out = tmp_path / name
+    assert peers.main([*TINY, *argv, "--json", str(out)]) == 0
+    return {r["peer"]: r for r in json.load(open(out))["rows"]}
+
+
+def test_a_row_per_peer_measured_or_why_not(tmp_path, capsys):
+    rows = _rows(tmp_path)
+    text = capsys.readouterr().out
+    assert set(rows) == set(peers.DEFAULT_PEERS.split(","))
+    for r in rows.values():
+        assert f"| {r['peer']} | {r['fraction']:g} |" in text
+        if "error" in r:  # the first line of why, and the bench went on
+            assert r["error"] and "\n" not in r["error"] and f"not run: {r['error']}" in text
+        else:
+            assert len(r["losses"]) == 4 and r["iter_ms"] > 0 and r["peak_rss_bytes"] > 0
+            assert r["loss_delta"] == r["losses"][-1] - rows["plain"]["losses"][-1]
+    for measured in ("plain", "ours", "ours-delayed", "fsdp2"):  # run on CPU wherever the tests run
+        assert "error" not in rows[measured], rows[measured]
+    assert rows["plain"]["loss_delta"] == 0.0
+    assert rows["ours"]["fraction"] == 0.5 and rows["ds-zero2"]["fraction"] == 1.0
+    assert "needs CUDA" in rows["megatron"]["error"]  # megatron-core's HybridDeviceOptimizer is CUDA-only
+    assert rows["ours-delayed"]["semantics"].startswith("delayed")
+    assert rows["ds-zenflow"]["semantics"].startswith("approximate")
+    # the same model, data and update: ours (bf16 weights, fp32 masters) ends close to torch AdamW on fp32 weights
+    assert abs(rows["ours"]["loss_delta"]) < 0.02 and abs(rows["fsdp2"]["loss_delta"]) < 0.02
+
+
+PERTURBING_RUNNER = """
+import json, sys
+from engine.bench.peers import runner
+spec = json.loads(sys.argv[1])
+if spec["peer"] == "ours":
+    spec["lr"] *= 100  # a wrong update: the row's loss must show it
+runner.main([json.dumps(spec)])
+"""
+
+
+def test_the_loss_column_comes_from_the_runs(tmp_path, monkeypatch):
+    honest = _rows(tmp_path, "--peers", "plain,ours")
+    (tmp_path / "perturbing_runner.py").write_text(PERTURBING_RUNNER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    planted = _rows(tmp_path, "--peers", "plain,ours", "--runner", "perturbing_runner", name="planted.json")
+    assert planted["plain"]["losses"] == honest["plain"]["losses"]  # one process per row: the others untouched
+    assert abs(planted["ours"]["loss_delta"]) > 10 * abs(honest["ours"]["loss_delta"]) + 0.01
+
+
+def test_a_child_that_dies_is_a_row_with_its_last_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "dying_runner.py").write_text("import sys\nprint('killed by the planted runner', file=sys.stderr)\n"
+                                              "sys.exit(3)\n")  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    rows = _rows(tmp_path, "--peers", "plain", "--runner", "dying_runner")
+    assert rows["plain"]["error"] == "exited 3: killed by the planted runner"
+    assert "loss_delta" not in rows["plain"]
+
+
+def test_an_unknown_peer_is_refused():
+    with pytest.raises(SystemExit, match="--peers 'zero9': not a peer; choose from plain, ours"):
+        peers.main([*TINY, "--peers", "zero9"])
+
+
+def test_runner_reports_an_error_as_its_row(capsys):
+    from engine.bench.peers import runner
+
+    assert runner.main([json.dumps({"peer": "nonexistent"})]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(runner.MARK) and json.loads(line[len(runner.MARK) :])["error"].startswith("KeyError")
+    assert sys.modules["engine.bench.peers.runner"] is runner
