@@ -19,6 +19,7 @@ def _rows(tmp_path, *argv, name="peers.json"):
     return {r["peer"]: r for r in json.load(open(out))["rows"]}
 
 
+@pytest.mark.slow  # nine processes: about 3 min on 2 busy cores; .ci/run runs it with -m slow
 def test_a_row_per_peer_measured_or_why_not(tmp_path, capsys):
     rows = _rows(tmp_path)
     text = capsys.readouterr().out
