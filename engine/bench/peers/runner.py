@@ -17,7 +17,7 @@ import torch
 
 from engine.bench.peers import models
 from engine.bench.peers.trainers import TRAINERS
-from engine.budget import peak_rss_bytes
+from engine.planning.budget import peak_rss_bytes
 
 MARK = "PEERS_ROW "
 
