@@ -115,7 +115,7 @@ def _measure(numel: int, threads: int, reps: int) -> list[dict]:
         if name == "C pass" and lib is None:
             print(f"  C pass: not built here ({fused_kernel.status()})")
             continue
-        arith = FusedAdamW(lib_, threads)
+        arith = FusedAdamW(lib_, threads, host=None, group_of={})  # step() only: no host state to name
         step_in = [TensorStep(p, m, v, grad16, p, m, v, half, scalars)]
         step_out = [TensorStep(p, m, v, grad16, p2, m2, v2, half, scalars)]
         row(f"{name}, bf16 grad in, bf16 weight out", "c" if lib_ else "torch-ops", "in place",
