@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
+import shutil
+import subprocess
 import types
 from pathlib import Path
 from typing import Literal, Union, get_args, get_origin, get_type_hints
@@ -18,6 +21,7 @@ from engine.config import (
     SCHEMA_PATH,
     Config,
     ConfigError,
+    codegen,
     load_config,
     load_schema,
     parse_override,
@@ -46,6 +50,8 @@ def _schema_atoms(prop: dict) -> set:
         return {type(None) if v is None else ("literal", v) for v in prop["enum"]}
     names = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
     scalar = {"integer": int, "number": float, "boolean": bool, "string": str, "null": type(None)}
+    word = re.fullmatch(r"\^(\w+)\$", prop.get("pattern", ""))  # a string that may only be this word ("auto")
+    scalar["string"] = ("literal", word.group(1)) if word else str
     return {("tuple", scalar[prop["items"]["type"]]) if n == "array" else scalar[n] for n in names}
 
 
@@ -80,20 +86,82 @@ def test_section_dataclass_equals_schema(section):
         assert _hint_atoms(hints[key]) == _schema_atoms(prop), key
 
 
-def test_a_key_added_to_the_schema_is_a_typed_field(monkeypatch):
-    """The dataclasses are derived from the schema: nothing else is edited when a key is added."""
-    import copy as copy_module
+def test_the_sections_module_is_generated_from_the_schema():
+    """engine/config/sections.py is checked in for editors and type checkers; the schema stays the source."""
+    assert codegen.SECTIONS_PATH.read_text(encoding="utf-8") == codegen.render(), (
+        f"{codegen.SECTIONS_PATH} differs from what the schema gives; run {codegen.COMMAND}"
+    )
+    assert codegen.main(["--check"]) == 0
 
+
+def _planted_schema() -> dict:
+    schema = copy.deepcopy(load_schema())
+    schema["properties"]["train"]["properties"]["new_knob"] = {"type": ["integer", "null"], "default": 3,
+                                                                "description": "A test key. More words."}  # fmt: skip
+    return schema
+
+
+def _module_of(text: str) -> types.ModuleType:
+    module = types.ModuleType("planted_sections")
+    exec(compile(text, "planted_sections.py", "exec", dont_inherit=True), module.__dict__)
+    return module
+
+
+def test_a_key_added_to_the_schema_is_a_typed_field_once_regenerated(monkeypatch, capsys):
+    text = codegen.render(_planted_schema())
+    assert text != codegen.render()
+    assert '    new_knob: int | None = 3\n    """A test key. More words."""\n' in text
+    train = _module_of(text).TrainConfig
+    assert [f.name for f in dataclasses.fields(train)][-1] == "new_knob"
+    assert train().new_knob == 3 and get_type_hints(train)["new_knob"] == int | None
+    monkeypatch.setattr(codegen, "load_schema", _planted_schema)
+    assert codegen.main(["--check"]) == 1  # the checked-in module is stale now
+    assert f"stale against the schema; run {codegen.COMMAND}" in capsys.readouterr().out
+
+
+def test_a_stale_sections_module_is_one_line_naming_the_command(monkeypatch):
     from engine.config import schema as config_schema
 
-    schema = copy_module.deepcopy(load_schema())
-    schema["properties"]["train"]["properties"]["new_knob"] = {"type": ["integer", "null"], "default": 3,
-                                                                "description": "a test key"}  # fmt: skip
-    monkeypatch.setattr(config_schema, "load_schema", lambda: schema)
-    cls = config_module._section_class("train")
-    assert [f.name for f in dataclasses.fields(cls)][-1] == "new_knob"
-    assert cls().new_knob == 3 and get_type_hints(cls)["new_knob"] == int | None
-    assert cls.__name__ == "TrainConfig" and cls.__module__ == "engine.config"
+    monkeypatch.setattr(config_schema, "load_schema", _planted_schema)  # the schema edited, the module not rebuilt
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"sections.py is stale against {SCHEMA_PATH}; run {codegen.COMMAND}")
+    ):
+        load_config({})
+
+
+def test_the_generated_types_and_defaults(tmp_path):
+    """Each schema shape becomes its Python type; the text is ruff-clean even for awkward descriptions."""
+    props = {
+        "word_or_int": {"type": ["integer", "string"], "pattern": "^auto$", "default": "auto", "description": "x"},
+        "maybe_enum": {"enum": [None, "a", "b"], "default": None, "description": 'Quoted "end"'},
+        "names": {"type": ["string", "array", "null"], "items": {"type": "string"}, "default": ["one"],
+                  "description": "back\\slash " + "long words " * 40},
+        "rate": {"type": "number", "default": 1, "description": "e.g. a number. Then more. " + "z" * 200},
+        "free_text": {"type": "string", "pattern": "^[a-z]+$", "default": "ab", "description": "y"},
+    }  # fmt: skip
+    schema = {"properties": {"extra": {"description": "A section.", "properties": props}}}
+    text = codegen.render(schema)
+    extra = _module_of(text).ExtraConfig
+    hints = get_type_hints(extra)
+    assert hints["word_or_int"] == int | Literal["auto"]
+    assert hints["maybe_enum"] == Literal["a", "b"] | None
+    assert hints["names"] == str | tuple[str, ...] | None
+    assert hints["rate"] is float and hints["free_text"] is str
+    instance = extra()
+    assert (instance.word_or_int, instance.names, instance.free_text) == ("auto", ("one",), "ab")
+    assert type(instance.rate) is float and instance.rate == 1.0
+    assert extra.__doc__ == "A section."
+    assert all(len(line) <= codegen.LINE_LENGTH for line in text.splitlines())
+    assert '    """e.g. a number."""' in text
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (the test extra has it)")
+    path = tmp_path / "sections.py"
+    path.write_text(text, encoding="utf-8")
+    config = ["--config", str(ROOT / "pyproject.toml")]
+    for command in (["format", "--check"], ["check"]):
+        done = subprocess.run([ruff, *command, *config, str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_checkout_reads_the_top_level_schema():
@@ -182,6 +250,29 @@ def test_unsupported_source_type():
 def test_shipped_config_loads(path):
     cfg = load_config(path, data_parallel_size=1)
     assert load_config(cfg.to_dict()) == cfg
+
+
+def test_a_shipped_config_name_loads_from_any_directory(tmp_path, monkeypatch):
+    """load_config (and so engine.initialize) resolves a shipped config's name as the CLI does; a file of that
+    name in the working directory wins; an unknown name is reported as typed."""
+    shipped = load_config(ROOT / "configs" / "13b-h200.json")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/13b-h200.json") == shipped
+    assert load_config(Path("13b-h200.json")) == shipped
+    with pytest.raises(ConfigError, match=r"^configs/none\.json: config file not found$"):
+        load_config("configs/none.json")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "13b-h200.json").write_text('{"train": {"seed": 7}}')
+    assert load_config("configs/13b-h200.json") == load_config({"train": {"seed": 7}})
+
+
+def test_initialize_reads_a_shipped_config_from_any_directory(tmp_path, monkeypatch):
+    import engine
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["model.num_layers=1", "model.hidden_size=16", "model.seq_length=16", "train.device=cpu"]
+    eng, _, _ = engine.initialize(config="configs/default.json", overrides=tiny)
+    assert eng.config.optimizer.lr == load_config(ROOT / "configs" / "default.json").optimizer.lr == 0.002
 
 
 # --- overrides ----------------------------------------------------------------------------------------------

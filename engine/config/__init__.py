@@ -1,11 +1,12 @@
 """Load, override, validate and freeze the engine configuration.
 
 schemas/engine.schema.json is the single source of truth for keys, types, ranges and defaults; the frozen
-dataclasses here are derived from it at import (a key added to the schema is a field, with its type and default,
-with nothing else to edit). ``load_config`` merges a JSON file or dict with Megatron-Bridge style dotted
-overrides, fills the schema's defaults, validates with jsonschema, runs the cross-field rules (engine/config/rules.py:
-the reference's constraints with its exact messages) and the NOT_BUILT table, and reports every problem at once
-in one ConfigError.
+dataclasses (engine/config/sections.py) are generated from it by ``python -m engine.config.codegen --write`` and
+checked in, so editors and type checkers see every field; a test fails while they differ from the schema.
+``load_config`` merges a JSON file or dict with Megatron-Bridge style dotted overrides, fills the schema's
+defaults, validates with jsonschema, runs the cross-field rules (engine/config/rules.py: the reference's
+constraints with its exact messages) and the NOT_BUILT table, and reports every problem at once in one
+ConfigError.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import difflib
 import functools
 import json
 import math
-import operator
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import NoneType, SimpleNamespace
-from typing import Any, Literal
+from types import SimpleNamespace
+from typing import Any
 
 from jsonschema import Draft202012Validator
 
@@ -30,73 +30,32 @@ from engine.config.rules import NOT_BUILT, RULES, WORLD_SIZE_RULES, blocked, rul
 from engine.config.schema import SCHEMA_PATH, load_schema, section_properties  # noqa: F401 - re-exported
 from engine.config.schema import plain as _plain
 from engine.config.schema import show as _show
-
-# --- the typed config, derived from the schema ----------------------------------------------------------------
-
-_SCALARS = {"integer": int, "number": float, "boolean": bool, "string": str, "null": NoneType}
-
-
-def _annotation(prop: dict[str, Any]) -> Any:
-    """The Python type of a schema property: Literal for an enum, tuple[item, ...] for an array, unions."""
-    if "enum" in prop:
-        values = tuple(v for v in prop["enum"] if v is not None)
-        atoms = [Literal[values]] + ([NoneType] if None in prop["enum"] else [])
-    else:
-        names = [prop["type"]] if isinstance(prop["type"], str) else prop["type"]
-        element = _SCALARS[prop["items"]["type"]] if "array" in names else None
-        atoms = [tuple[element, ...] if n == "array" else _SCALARS[n] for n in names]
-    return functools.reduce(operator.or_, atoms)
-
-
-def _section_class(section: str) -> type:
-    """The frozen dataclass of one schema section: a field per key, in schema order, with the schema's default."""
-    fields = []
-    for key, prop in section_properties()[section].items():
-        value = _typed(prop["default"], prop)
-        fields.append((key, _annotation(prop), dataclasses.field(default=value)))
-    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields, frozen=True)
-    cls.__module__ = __name__  # pickled and shown as engine.config.<Name>Config
-    return cls
-
-
-def _typed(value: Any, prop: dict[str, Any]) -> Any:
-    """Schema value -> dataclass value: arrays become tuples, JSON 1 is 1.0 for numbers and 2.0 is 2 for integers."""
-    types = prop.get("type", [])
-    types = [types] if isinstance(types, str) else types
-    if isinstance(value, list):
-        return tuple(value)
-    if isinstance(value, int) and not isinstance(value, bool) and "number" in types:
-        return float(value)
-    if isinstance(value, float) and "integer" in types:
-        return int(value)
-    return value
-
-
-ModelConfig = _section_class("model")
-OptimizerConfig = _section_class("optimizer")
-TrainConfig = _section_class("train")
-DataConfig = _section_class("data")
-LoggingConfig = _section_class("logging")
-CheckpointConfig = _section_class("checkpoint")
-_SECTIONS = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig, "data": DataConfig,
-             "logging": LoggingConfig, "checkpoint": CheckpointConfig}  # fmt: skip
-if list(_SECTIONS) != list(section_properties()):  # a new namespace in the schema gets its name here
-    raise ImportError(f"engine.config: the schema's sections {list(section_properties())} are not {list(_SECTIONS)}")
-
-
-def _to_dict(self: Any) -> dict[str, dict[str, Any]]:
-    """Every key of every section as plain JSON values (tuples become lists)."""
-    return {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in dataclasses.fields(cls)}
-            for name, cls in _SECTIONS.items()}  # fmt: skip
-
-
-Config = dataclasses.make_dataclass(
-    "Config",
-    [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in _SECTIONS.items()],
-    frozen=True,
-    namespace={"to_dict": _to_dict, "__doc__": "The validated run configuration: one frozen section per namespace."},
+from engine.config.schema import typed as _typed
+from engine.config.sections import (  # noqa: F401 - re-exported
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
 )
-Config.__module__ = __name__
+from engine.resources import config_file
+
+# --- the typed config: engine/config/sections.py, generated from the schema (python -m engine.config.codegen) --
+
+_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def _sections_match_schema() -> None:
+    """The generated classes against the schema (a schema edited without regenerating): one line with the fix
+    rather than a TypeError from a dataclass. Checked at each load, not at import, so the command that
+    regenerates the module can still import the package."""
+    generated = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in _SECTIONS.items()}
+    if generated != {name: list(props) for name, props in section_properties().items()}:
+        from engine.config import codegen  # only here: `python -m engine.config.codegen` imports this package
+
+        raise RuntimeError(f"engine/config/sections.py is stale against {SCHEMA_PATH}; run {codegen.COMMAND}")
 
 
 class ConfigError(ValueError):
@@ -120,7 +79,8 @@ def load_config(
     model_in_hand: bool = False,
 ) -> Config:
     """Read ``source`` (a JSON file path, a dict or a Config), apply ``section.key=value`` overrides, fill the
-    schema's defaults and validate; raise ConfigError listing every problem at once.
+    schema's defaults and validate; raise ConfigError listing every problem at once. A path that names no file
+    here but a shipped config (`configs/13b-h200.json`, `13b-h200.json`) reads the one the install carries.
 
     model_in_hand: the config is for a model passed to engine.initialize, not the built-in GPT: the built-in's
     shape rules are skipped (engine.user_model checks model.* against the model, the layer count against its
@@ -166,7 +126,7 @@ def _read_source(source: Any) -> dict[str, Any]:
         return _plain(source)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError([f"config source must be a JSON file path, a dict or a Config, not {type(source).__name__}"])
-    path = Path(source)
+    path = Path(config_file(os.fspath(source)))  # a shipped config's name from any directory; a file here wins
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -390,6 +350,7 @@ def _not_built_errors(raw: dict[str, Any], dp: int, skip: set[str]) -> list[str]
 
 
 def _build(raw: dict[str, Any]) -> Config:
+    _sections_match_schema()
     props = section_properties()
     return Config(**{
         name: cls(**{k: _typed(v, props[name][k]) for k, v in raw[name].items()}) for name, cls in _SECTIONS.items()

@@ -38,6 +38,19 @@ def default(dotted: str) -> Any:
     return copy.deepcopy(section_properties()[section][key]["default"])
 
 
+def typed(value: Any, prop: dict[str, Any]) -> Any:
+    """Schema value -> dataclass value: arrays become tuples, JSON 1 is 1.0 for numbers and 2.0 is 2 for integers."""
+    types = prop.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool) and "number" in types:
+        return float(value)
+    if isinstance(value, float) and "integer" in types:
+        return int(value)
+    return value
+
+
 def plain(value: Any) -> Any:
     """A deep copy with Mappings as dicts and tuples as lists, the shapes jsonschema and JSON expect."""
     if isinstance(value, Mapping):
