@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peak_bytes import PeakBytes
 
 import engine
 from engine.models.linear_cross_entropy import chunk_bytes, fused_linear_cross_entropy, fused_linear_cross_entropy_bytes
@@ -92,10 +93,27 @@ def test_the_whole_logits_never_exist():
     assert 2 * SEQ * VOCAB not in sizes
 
 
-def test_its_bytes():
-    assert chunk_bytes(1024, 152064) == 1024 * 152064 * 8
-    total = fused_linear_cross_entropy_bytes(8192, 3584, 152064, 1024)
-    assert total == 1024 * 152064 * 8 + 8192 * 3584 * 2 + 152064 * 3584 * 6
+SHAPES = [(2048, 128, 64, torch.bfloat16), (2048, 128, 64, torch.float32), (4096, 64, 32, torch.bfloat16),
+          (4096, 64, 1000, torch.bfloat16), (4096, 64, 1000, torch.float32), (8192, 64, 128, torch.bfloat16),
+          (8192, 64, 128, torch.float32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("vocab", "hidden", "chunk", "dtype"), SHAPES)
+def test_its_bytes_are_the_peak_it_allocates(vocab, hidden, chunk, dtype):
+    """fused_linear_cross_entropy_bytes against the bytes the loss's forward and backward allocate at their peak,
+    for chunks smaller and larger than the tokens, in bf16 and fp32."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype)
+    h = torch.randn(2, 128, hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 128))
+    with PeakBytes() as p:
+        loss = fused_linear_cross_entropy(h, head, labels, chunk) * 0.5
+        forward, p.peak = p.peak, 0
+        loss.backward()
+    measured = max(forward, p.peak)
+    stated = fused_linear_cross_entropy_bytes(256, hidden, vocab, chunk, h.element_size())
+    assert stated == pytest.approx(measured, rel=0.03)
+    assert chunk_bytes(1024, 152064) == 1024 * 152064 * 6  # bf16 logits beside their fp32 copy
 
 
 @pytest.mark.parametrize(

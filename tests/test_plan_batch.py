@@ -131,3 +131,39 @@ def test_initialize_measures_the_example_batch():
     _, plan = preflight.last()
     assert plan.batch_seen and plan.activations_source.startswith("measured at the example batch")
     assert eng.train_batch(iter([batch])) > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_loss_is_counted_at_the_peak_it_allocates(fused, precision):
+    """A large vocabulary against a small hidden size, so the loss dominates: the plan's activations, what is saved
+    outside the layers and the logits/loss transient equal the peak the forward and backward allocate beyond the
+    weights and their gradients (the model's own loss: half logits, their fp32 upcast, log-softmax and its gradients;
+    model.fused_linear_cross_entropy: the chunked loss's own figure)."""
+    from peak_bytes import PeakBytes
+
+    from engine.batch import BatchLoss
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))  # fmt: skip
+    extra = ["train.params_dtype=half"] if precision == "bf16" else []
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if fused:
+        extra += ["model.fused_linear_cross_entropy=true", "model.fused_linear_cross_entropy_chunk_size=64"]
+    ids = torch.randint(0, 8192, (2, 128))
+    batch = {"input_ids": ids, "labels": ids}
+    run = BatchLoss(None, True)
+    run.fused = (model.lm_head, 64) if fused else None
+    with PeakBytes(grads_of=tuple(model.parameters())) as p:
+        loss = run(model, batch, torch.device("cpu")) * 0.5
+        forward, p.peak = p.peak, 0
+        loss.backward()
+    cfg = config(2, [f"train.precision={precision}", *extra])
+    acts = planner(cfg, model, device="cpu", host_budget_bytes=8 * GIB, example_batch=batch).census.activations
+    planned = sum(map(acts.layer_bytes, range(2))) + sum(s.nbytes for s in acts.head) + acts.logits_transient
+    assert planned == pytest.approx(max(forward, p.peak), rel=0.03)
+    full_logits = 256 * 8192 * 4
+    assert (acts.logits_transient < full_logits) == fused

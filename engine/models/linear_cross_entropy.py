@@ -18,20 +18,33 @@ IGNORE_INDEX = -100
 
 
 def chunk_bytes(chunk_tokens: int, vocab_size: int, compute_itemsize: int = 2) -> int:
-    """Bytes of one chunk's logits at their peak: in the compute dtype, in fp32 (turned in place into their
-    gradient), and the gradient cast back to the compute dtype."""
-    return chunk_tokens * vocab_size * (compute_itemsize + 4 + compute_itemsize)
+    """Bytes of one chunk's logits at their peak: in the compute dtype beside their fp32 copy (turned in place
+    into their gradient, which is then cast back to the compute dtype); under fp32 they are one tensor."""
+    return chunk_tokens * vocab_size * (4 + (compute_itemsize if compute_itemsize < 4 else 0))
 
 
 def fused_linear_cross_entropy_bytes(tokens: int, hidden_size: int, vocab_size: int, chunk_tokens: int,
                                      compute_itemsize: int = 2) -> int:  # fmt: skip
-    """Peak bytes the fused loss holds beyond the hidden states: the largest chunk's logits and gradient
-    (chunk_bytes), the hidden states' gradient [tokens, hidden] in the compute dtype, the head's fp32 gradient
-    accumulator [vocab, hidden] and, for a half compute dtype, one chunk's contribution to it before it is added.
+    """Peak bytes the fused loss allocates beyond the hidden states (the head weight's gradient included: it is
+    made while the loss's own buffers are alive).
+
+    Forward: the head's fp32 gradient accumulator [vocab, hidden] and the hidden states' gradient [tokens, hidden]
+    (compute dtype), held until backward, plus the largest chunk's working set: its logits (chunk_bytes), or its
+    gradient in the compute dtype beside that gradient's contribution to the head's [vocab, hidden] (under fp32 the
+    gradient is the logits). Backward: the accumulator and its product with the incoming gradient (fp32), that cast
+    to the weight's dtype (the weight's gradient; under fp32 the product is), the hidden states' gradient and its
+    product.
     The unfused loss holds tokens x vocab x (2 + 4 + 4 + 2) bytes instead (logits, fp32 upcast, their gradients)."""
+    c, v, h = compute_itemsize, vocab_size, hidden_size
     chunk = min(chunk_tokens, tokens)
-    head = vocab_size * hidden_size * (4 + (compute_itemsize if compute_itemsize < 4 else 0))
-    return chunk_bytes(chunk, vocab_size, compute_itemsize) + tokens * hidden_size * compute_itemsize + head
+    held = 4 * v * h + tokens * h * c
+    if c < 4:
+        working = max(chunk_bytes(chunk, v, c), chunk * v * c + v * h * c)
+    else:
+        working = chunk * v * 4 + v * h * 4
+    # the weight's gradient is made here, beside the accumulator (under fp32 it is the product itself)
+    backward = 8 * v * h + (v * h * c if c < 4 else 0) + 2 * tokens * h * c
+    return max(held + working, backward)
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -74,6 +87,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_w += g.t() @ x
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
+                del g  # else it lives on beside the next chunk's logits
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count

@@ -11,7 +11,9 @@ extrapolated. The backward is never run. The RNG state is restored afterwards.
 
 The loss's backward holds, beyond what the forward saved, the gradient flowing into and out of the op that
 saved the largest storage outside the layers (HF's causal-LM loss: the fp32 log-softmax of the upcast
-logits, [tokens, vocab]): `logits_transient` is twice that storage.
+logits, [tokens, vocab]): `logits_transient` is twice that storage. Under model.fused_linear_cross_entropy the
+forward runs the fused loss, which saves nothing through autograd (it holds its gradients itself): the loss is
+then counted as the bytes engine.models.linear_cross_entropy states it holds, `fused_linear_cross_entropy_bytes`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from engine.batch import BatchLoss, takes_labels
+from engine.models.linear_cross_entropy import fused_linear_cross_entropy_bytes
 from engine.planning.activations import Activations, Saved, backward_working
 
 
@@ -52,8 +55,11 @@ def measure_batch(
     loss_fn: Any = None,
     autocast: contextlib.AbstractContextManager | None = None,
     float_dtype: torch.dtype | None = None,
+    fused: tuple[nn.Linear, int] | None = None,
 ) -> Activations:
-    """The storages one forward of `batch` saves, per layer of `layers` (in forward order) and outside them."""
+    """The storages one forward of `batch` saves, per layer of `layers` (in forward order) and outside them.
+
+    fused: (output head, chunk tokens) of model.fused_linear_cross_entropy: the loss is computed as training will."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     params = [*model.parameters(), *model.buffers()]
@@ -89,6 +95,7 @@ def measure_batch(
                 handles.append(sub.register_forward_hook(functools.partial(_pop, stack=stack)))
     devices = [device.index or 0] if device.type == "cuda" else []
     run = BatchLoss(loss_fn, takes_labels(model), float_dtype)
+    run.fused = fused
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast or contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
@@ -104,13 +111,26 @@ def measure_batch(
     largest = max((e.nbytes for ly in per_layer for e in ly if not e.weight_copy), default=0)
     # the residual gradient flowing through a layer is the size of what the first layer's first op saves (its input)
     residual = next((e.nbytes for ly in per_layer[:1] for e in ly if not e.weight_copy), 0)
+    logits = 2 * largest_head
+    if fused is not None:
+        logits = fused_loss_bytes(batch, fused, autocast is not None)
     return Activations(
         layers=per_layer,
         head=head,
-        logits_transient=2 * largest_head,
+        logits_transient=logits,
         backward_working=backward_working(1, residual, 1, largest),
         source=f"measured at the example batch ({describe(batch)}) on {device.type}",
     )
+
+
+def fused_loss_bytes(batch: Any, fused: tuple[nn.Linear, int], autocast: bool) -> int:
+    """What the fused linear cross-entropy holds for `batch`'s labels beyond the hidden states (its own figure):
+    the head's matmul runs in autocast's half dtype, else in the head weight's."""
+    head, chunk = fused
+    _, _, labels = BatchLoss.split(batch)
+    tokens = labels.numel() if isinstance(labels, torch.Tensor) else 0
+    itemsize = 2 if autocast else head.weight.element_size()
+    return fused_linear_cross_entropy_bytes(tokens, head.in_features, head.out_features, chunk, itemsize)
 
 
 def _enter_layer(m: nn.Module, a: Any, *, where: list, i: int) -> None:

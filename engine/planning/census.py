@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.build import gpt_shape
 from engine.config import Config
+from engine.models.linear_cross_entropy import fused_linear_cross_entropy_bytes
 from engine.optim.partition import forward_order, unit_of
 from engine.planning.activations import Activations, gpt_activations, measured_activations
 from engine.precision import autocast
@@ -223,11 +224,35 @@ def _measure_batch(cfg: Config, model: nn.Module, layers: list, batch: Any, loss
         raise ValueError(f"example_batch has {rows} rows and train.micro_batch_size={mbs}: pass one "
                          f"micro-batch of {mbs} rows (the plan measures what one micro-batch holds)")  # fmt: skip
     ctx, float_dtype = _precision_context(cfg, model, notes)
-    acts = measure_batch(model, layers, batch, loss_fn=loss_fn, autocast=ctx, float_dtype=float_dtype)
+    acts = measure_batch(model, layers, batch, loss_fn=loss_fn, autocast=ctx, float_dtype=float_dtype,
+                         fused=_fused_loss(cfg, model, loss_fn))  # fmt: skip
     if cfg.train.params_dtype == "half" and ctx is not None:  # the cast's copies will not exist under half weights
         acts = replace(acts, layers=[[s for s in ly if not s.weight_copy] for ly in acts.layers],
                        head=[s for s in acts.head if not s.weight_copy])  # fmt: skip
     return acts
+
+
+def _fused_loss(cfg: Config, model: nn.Module, loss_fn: Any) -> tuple[nn.Linear, int] | None:
+    """(output head, chunk tokens) when model.fused_linear_cross_entropy computes the loss (the engine refuses it
+    beside a loss_fn, and names the key for a model without an output head: so does this)."""
+    if not cfg.model.fused_linear_cross_entropy or loss_fn is not None:
+        return None
+    from engine.batch import is_causal_lm
+    from engine.models.linear_cross_entropy import output_head
+
+    return output_head(model, is_causal_lm(model)), cfg.model.fused_linear_cross_entropy_chunk_size
+
+
+def _with_fused_loss(cfg: Config, model: nn.Module, acts: Activations, tokens: int) -> Activations:
+    """The guessed activations with the fused loss's bytes in place of the whole logits' (log-softmax and its
+    gradients), where model.fused_linear_cross_entropy is on."""
+    fused = _fused_loss(cfg, model, None)
+    if fused is None:
+        return acts
+    head, chunk = fused
+    itemsize = 4 if cfg.train.precision == "fp32" else 2
+    held = fused_linear_cross_entropy_bytes(tokens, head.in_features, head.out_features, chunk, itemsize)
+    return replace(acts, head=[s for s in acts.head if s.what != "log_softmax.out"], logits_transient=held)
 
 
 def _measure(cfg: Config, model: nn.Module, layers: nn.ModuleList, example_input, notes: list[str]) -> Activations:
@@ -261,7 +286,7 @@ def _measure(cfg: Config, model: nn.Module, layers: nn.ModuleList, example_input
                            logits_transient=acts.logits_transient, backward_working=acts.backward_working,
                            source=acts.source, notes=acts.notes)  # fmt: skip
     notes.extend(acts.notes)
-    return acts
+    return _with_fused_loss(cfg, model, acts, t.micro_batch_size * m.seq_length)
 
 
 def _embedding_shape(model: nn.Module, hidden: int, vocab: int) -> tuple[int, int]:
