@@ -1,0 +1,171 @@
+"""The predicted time of one training step for a mix of offloading settings: what "auto" minimises.
+
+A mix is (optimizer offload fraction, offloaded layers k, recomputed layers r; the recomputed ones are disjoint
+from the offloaded ones). Its time is priced from a `Workload` (what one step computes, the same for every mix)
+and `Costs` (rates of this machine, or the stated defaults below), per micro-batch and per step:
+
+  forward     max(F / flops, D / pcie_d2h)         F: the forward's FLOPs of one micro-batch; D: the bytes the
+                                                   k offloaded layers move to the host (each way), copied on
+                                                   a side stream under the forward (and reloaded under the
+                                                   backward): only what compute cannot cover shows. The
+                                                   activation bench measured this floor within 1.01-1.08x
+                                                   (docs/BENCHMARKS.md, "Activation offloading").
+  backward    max((2F + R) / flops, D / pcie_h2d)  R: the forward FLOPs of the r recomputed layers (full
+                                                   recompute runs each one's forward again in its backward)
+  GPU step    n_gpu x GPU_STEP_BYTES / hbm         the GPU side's AdamW is bound by device memory
+  CPU step    n_cpu / cpu_params                   the host's AdamW over the CPU-stepped parameters; the part
+                                                   the schedule cannot hide is added:
+                overlap off   all of it, plus the gradients' and weights' copies over PCIe
+                exact         what is left after the window it runs in: the GPU step and the next forward's
+                              first micro-batch through the layers that are not CPU-stepped (the CPU-stepped
+                              ones are the output end; they are awaited layer by layer); measured on the H200,
+                              the GPU waited 475-594 ms of a 582-706 ms step at 8 B (docs/BENCHMARKS.md)
+                delayed       what is left after the whole next step's GPU work (the update lands one step
+                              late: optimizer.delayed_param_update)
+  step        micro_batches x (forward + backward) + GPU step + the CPU step's exposed part
+
+Where the rates come from is explicit: `default_costs` states them in one place (each with its source),
+`Costs.source` names them in the plan's text, and a caller with a measured figure passes its own
+(`dataclasses.replace(costs, cpu_params_per_s=..., source=...)`). The same formulas run on a CPU device (the
+tests), with its own stated rates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+# Bytes one parameter's GPU-side AdamW reads and writes: the fp32 master, m and v read and written (24), the
+# gradient read (2-4) and the half weight written (2).
+GPU_STEP_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The rates a mix is priced with (bytes, FLOPs and parameters per second)."""
+
+    pcie_d2h_bytes_per_s: float  # device to host, pinned
+    pcie_h2d_bytes_per_s: float  # host to device, pinned
+    cpu_params_per_s: float  # the CPU AdamW step over the CPU-stepped part
+    flops_per_s: float  # the model's matmuls, achieved (not the datasheet's peak)
+    hbm_bytes_per_s: float  # the GPU side's optimizer step
+    source: str  # where these figures come from, for the plan's text
+
+    def describe(self) -> str:
+        return (f"PCIe {self.pcie_d2h_bytes_per_s / GB:.0f}/{self.pcie_h2d_bytes_per_s / GB:.0f} GB/s, CPU step "
+                f"{self.cpu_params_per_s / 1e9:.1f} G params/s, compute {self.flops_per_s / 1e12:.0f} TFLOP/s "
+                f"({self.source})")  # fmt: skip
+
+
+def default_costs(*, cuda: bool, precision: str) -> Costs:
+    """The stated rates, the one place they are written. CUDA: an H200 (docs/BENCHMARKS.md): pinned copies
+    measured 55.3 GB/s D2H and 55.4 H2D; the engine's CPU AdamW step 3.4-4.7 G params/s by lease (15 threads);
+    bf16/fp16 matmuls 550 TFLOP/s achieved (the 13 B shape's fitting twin, 6N + 12 L h s per token); fp32
+    without tensor cores ~50 TFLOP/s (stated, not measured); HBM 3 TB/s achieved for a streaming step (stated:
+    4.8 TB/s peak). CPU device (the tests): one host doing both sides, figures stated to order of magnitude."""
+    if cuda:
+        flops = 50e12 if precision == "fp32" else 550e12
+        return Costs(55 * GB, 55 * GB, 4.0e9, flops, 3000 * GB, "stated H200 defaults")
+    return Costs(10 * GB, 10 * GB, 1.0e9, 0.2e12, 20 * GB, "stated CPU defaults")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step computes, whatever the mix: FLOPs of one micro-batch's forward, by layer and outside."""
+
+    micro_batches: int
+    layer_forward_flops: tuple[float, ...]  # cumulative: [i] = the first i layers' forward FLOPs (len L + 1)
+    other_forward_flops: float  # embeddings, final norm, output head and loss
+    flops_note: str = ""  # what the FLOPs leave out (a user's model: the attention scores)
+
+    @classmethod
+    def of_layers(cls, micro_batches: int, per_layer: list[float], other: float, note: str = "") -> Workload:
+        acc, total = [0.0], 0.0
+        for f in per_layer:
+            total += f
+            acc.append(total)
+        return cls(micro_batches, tuple(acc), other, note)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_forward_flops) - 1
+
+    @property
+    def forward_flops(self) -> float:
+        return self.layer_forward_flops[-1] + self.other_forward_flops
+
+    def layers_flops(self, start: int, stop: int) -> float:
+        """The forward FLOPs of layers start..stop-1 (one micro-batch)."""
+        stop = max(start, min(stop, self.n_layers))
+        return self.layer_forward_flops[stop] - self.layer_forward_flops[start]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One candidate: what it offloads and recomputes, in the figures its memory plan states."""
+
+    fraction: float
+    offloaded_layers: int
+    recomputed_layers: int  # layers offloaded_layers .. offloaded_layers + recomputed_layers - 1
+    cpu_parameters: int
+    gpu_parameters: int  # stepped on the GPU (by this rank)
+    offloaded_bytes: int  # what the offloaded layers move to the host per micro-batch (each way)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the optimizer step is scheduled (from the config)."""
+
+    cpu_offload: bool
+    overlap: bool  # optimizer.overlap_cpu_optimizer_d2h_h2d
+    delayed: bool  # optimizer.delayed_param_update
+    grad_bytes: int  # bytes of a gradient copied to the host
+    weight_bytes: int  # bytes of a weight copied back
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A mix's predicted step, in seconds, by part; `total_s` is what "auto" compares."""
+
+    compute_s: float  # forward and backward without offloading, all micro-batches
+    activation_copies_s: float  # offloaded layers' copies not hidden under compute
+    recompute_s: float  # the recomputed layers' second forward
+    gpu_step_s: float
+    cpu_step_s: float  # the CPU step's whole time
+    cpu_exposed_s: float  # of which not hidden by the schedule
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.activation_copies_s + self.recompute_s + self.gpu_step_s + self.cpu_exposed_s
+
+    def to_json(self) -> dict[str, float]:
+        return {"total_ms": 1000 * self.total_s, "compute_ms": 1000 * self.compute_s,
+                "activation_copies_ms": 1000 * self.activation_copies_s, "recompute_ms": 1000 * self.recompute_s,
+                "gpu_step_ms": 1000 * self.gpu_step_s, "cpu_step_ms": 1000 * self.cpu_step_s,
+                "cpu_exposed_ms": 1000 * self.cpu_exposed_s}  # fmt: skip
+
+
+def step_time(w: Workload, m: Mix, s: Schedule, c: Costs) -> StepTime:
+    """The predicted step of mix `m` (see the module docstring); O(1) whatever the depth."""
+    fwd = w.forward_flops / c.flops_per_s
+    bwd = 2 * fwd
+    rec = w.layers_flops(m.offloaded_layers, m.offloaded_layers + m.recomputed_layers) / c.flops_per_s
+    fwd_mb = max(fwd, m.offloaded_bytes / c.pcie_d2h_bytes_per_s)
+    bwd_mb = max(bwd + rec, m.offloaded_bytes / c.pcie_h2d_bytes_per_s)
+    n = w.micro_batches
+    gpu_step = m.gpu_parameters * GPU_STEP_BYTES / c.hbm_bytes_per_s
+    cpu = m.cpu_parameters / c.cpu_params_per_s if s.cpu_offload else 0.0
+    if not cpu:
+        exposed = 0.0
+    elif not s.overlap:
+        copies = m.cpu_parameters * (s.grad_bytes / c.pcie_d2h_bytes_per_s + s.weight_bytes / c.pcie_h2d_bytes_per_s)
+        exposed = cpu + copies
+    elif s.delayed:
+        exposed = max(0.0, cpu - n * (fwd_mb + bwd_mb) - gpu_step)
+    else:
+        total = m.cpu_parameters + m.gpu_parameters
+        gpu_resident = fwd * (m.gpu_parameters / total if total else 1.0)
+        exposed = max(0.0, cpu - gpu_step - gpu_resident)
+    return StepTime(compute_s=n * 3 * fwd, activation_copies_s=n * (fwd_mb - fwd + bwd_mb - bwd - rec),
+                    recompute_s=n * rec, gpu_step_s=gpu_step, cpu_step_s=cpu, cpu_exposed_s=exposed)  # fmt: skip
