@@ -4,9 +4,12 @@ optimizer.optimizer_offload_fraction="auto": the smallest fraction, in steps of 
 (margin included); then the host is checked at it (the host only grows with the fraction, so if it does not
 fit there nothing does).
 
-model.cpu_offloading_num_layers="auto": every count k from 0 to num_layers-1 is tried, each with its own
-smallest fitting fraction when that is "auto" too, and the pair that adds the least estimated time per step
-wins (ties: fewer layers). Why a time estimate: the two mechanisms buy GPU memory at different prices.
+model.cpu_offloading_num_layers="auto": of the counts k from 0 to num_layers-1, each with its own smallest
+fitting fraction when that is "auto" too, the pair that adds the least estimated time per step wins (ties:
+fewer layers). The GPU's bytes fall as k or the fraction grows, so bisection finds the fewest layers that fit
+at a fraction; k only matters where the smallest fitting fraction drops (between two such counts the cost
+grows with k and so does the host's pool), so only those counts are evaluated: O(log num_layers) plans per
+fraction step, never every k. Why a time estimate: the two mechanisms buy GPU memory at different prices.
   activation offload   each offloaded layer's saved bytes cross PCIe twice per micro-batch (out in forward,
                        back in backward): micro_batches x 2 x bytes / PCIE_BYTES_PER_S
   optimizer offload    each CPU-stepped parameter costs the CPU step once per global batch:
@@ -23,6 +26,8 @@ time (overlap hides some of either); they were measured on the H200 (docs/BENCHM
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from engine.config import Config
@@ -64,37 +69,46 @@ class Planner:
         return max(0, self.census.n_layers - 1)  # the reference: fewer than num_layers
 
     # ---- bounds ---------------------------------------------------------------------------------------------
-    def smallest_gpu_fraction(self, k: int, settings: Settings | None = None) -> Plan | None:
-        """The plan at the smallest grid fraction whose GPU part fits, or None (not even at 1.0)."""
-        lo, hi = 0, STEPS
-        if not self.evaluate(1.0, k, settings).gpu.fits:
-            return None
-        while lo < hi:  # the GPU's bytes fall as the fraction grows
-            mid = (lo + hi) // 2
-            if self.evaluate(mid / STEPS, k, settings).gpu.fits:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.evaluate(lo / STEPS, k, settings)
+    def smallest_gpu_fraction(self, k: int, settings: Settings | None = None, *, below: int = STEPS) -> Plan | None:
+        """The plan at the smallest grid fraction (at most below / STEPS) whose GPU part fits, or None."""
+        # the GPU's bytes fall as the fraction grows
+        step = _first(lambda i: self.evaluate(i / STEPS, k, settings).gpu.fits, 0, below)
+        return None if step is None else self.evaluate(step / STEPS, k, settings)
 
     def largest_host_fraction(self, k: int) -> float | None:
         """The largest grid fraction whose host part fits, or None (not even at 0)."""
-        if not self.evaluate(0.0, k).host.fits:
+        # the host's bytes grow with the fraction: the first that does not fit, less one
+        over = _first(lambda i: not self.evaluate(i / STEPS, k).host.fits, 0, STEPS)
+        if over == 0:
             return None
-        lo, hi = 0, STEPS
-        while lo < hi:  # the host's bytes grow with the fraction
-            mid = (lo + hi + 1) // 2
-            if self.evaluate(mid / STEPS, k).host.fits:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo / STEPS
+        return (STEPS if over is None else over - 1) / STEPS
 
-    def fewest_gpu_layers(self, fraction: float, settings: Settings | None = None) -> int | None:
-        for k in range(self.max_layers() + 1):
-            if self.evaluate(fraction, k, settings).gpu.fits:
-                return k
-        return None
+    def fewest_gpu_layers(self, fraction: float, settings: Settings | None = None, *, least: int = 0) -> int | None:
+        """The fewest offloaded layers (at least `least`) whose GPU part fits at `fraction`, or None."""
+
+        # the GPU's bytes fall as more layers are offloaded, from the first on: offloading one layer may add
+        # more (two double-buffer slabs) than it frees, so no layers at all is tried on its own
+        def fits(k: int) -> bool:
+            return self.evaluate(fraction, k, settings).gpu.fits
+
+        if least == 0 and fits(0):
+            return 0
+        return _first(fits, max(1, least), self.max_layers())
+
+    def most_host_layers(self, fraction: float, below: int) -> int | None:
+        """The most offloaded layers (fewer than `below`) whose host part fits at `fraction`, or None."""
+        # the host's bytes grow with the offloaded layers (their pinned pool)
+        over = _first(lambda k: not self.evaluate(fraction, k).host.fits, 0, below - 1)
+        return below - 1 if over is None else (over - 1 if over > 0 else None)
+
+    def least_gpu(self, fraction: float) -> Plan:
+        """The plan with the least GPU memory at `fraction`: the fewest layers that reach the most layers' bytes."""
+        most = self.evaluate(fraction, self.max_layers())
+        none = self.evaluate(fraction, 0)
+        if none.gpu.total_bytes <= most.gpu.total_bytes:
+            return none
+        k = _first(lambda j: self.evaluate(fraction, j).gpu.total_bytes <= most.gpu.total_bytes, 1, self.max_layers())
+        return self.evaluate(fraction, k) if k is not None else most
 
     # ---- "auto" ---------------------------------------------------------------------------------------------
     def resolve(self, fraction: float | str, layers: int | str, *, hint: bool = True) -> Plan:
@@ -105,15 +119,13 @@ class Planner:
         if auto_f and self.cuda and self.gpu_budget is None:
             raise NothingFits('optimizer.optimizer_offload_fraction="auto" needs the GPU\'s memory: run on the '
                               "GPU, or pass --gpu-memory GIB to plan for one")  # fmt: skip
-        ks = range(self.max_layers() + 1) if auto_k else [int(layers)]
         best: tuple[float, int, Plan] | None = None
         nearest: Plan | None = None  # for the message: the least GPU, then the host at the fitting fraction
-        for k in ks:
-            if best is not None and k * self._layer_seconds() >= best[0]:
-                break  # more layers only cost more PCIe time than the best found already costs in all
-            p = self.smallest_gpu_fraction(k) if auto_f else self.evaluate(float(fraction), k)
-            if p is None:
-                p = self.evaluate(1.0, k)
+
+        def costs_more(k: int) -> bool:  # more layers only cost more PCIe time than the best found costs in all
+            return best is not None and k * self._layer_seconds >= best[0]
+
+        for k, p in self._candidates(fraction, layers, costs_more):
             if nearest is None or _closeness(p) < _closeness(nearest):
                 nearest = p
             if not p.fits:
@@ -125,6 +137,38 @@ class Planner:
             raise NothingFits(self._nothing_fits(nearest, auto_f, auto_k, hint))
         return best[2]
 
+    def _candidates(self, fraction: float | str, layers: int | str, stop: Callable[[int], bool]
+                    ) -> Iterator[tuple[int, Plan]]:  # fmt: skip
+        """(k, plan) in rising k: only the counts where the smallest fitting fraction drops (see the module
+        docstring: between two such counts the cost only grows and the host only fills), until stop(k)."""
+        auto_f = fraction == "auto"
+        if layers != "auto":
+            k = int(layers)
+            p = self.smallest_gpu_fraction(k) if auto_f else self.evaluate(float(fraction), k)
+            yield k, p if p is not None else self.evaluate(1.0, k)
+            return
+        k = self.fewest_gpu_layers(1.0 if auto_f else float(fraction))
+        if k is None:  # the GPU fits nowhere: the least it reaches, for the message
+            least = self.least_gpu(1.0 if auto_f else float(fraction))
+            yield least.offloaded_layers, least
+            return
+        if not auto_f:
+            yield k, self.evaluate(float(fraction), k)
+            return
+        below = STEPS
+        while not stop(k):
+            p = self.smallest_gpu_fraction(k, below=below)
+            assert p is not None  # k was found fitting at `below`
+            yield k, p
+            below = round(p.fraction * STEPS) - 1
+            if below < 0:
+                return
+            nxt = self.fewest_gpu_layers(below / STEPS, least=k + 1)
+            if nxt is None:
+                return
+            k = nxt
+
+    @functools.cached_property
     def _layer_seconds(self) -> float:
         """The PCIe time one offloaded layer adds per step (a lower bound for every further layer)."""
         p = self.evaluate(0.0, 1)
@@ -154,8 +198,7 @@ class Planner:
         fraction = "auto" if self.settings.cpu_offload else 0.0
         while lo <= hi:  # fitting falls with depth
             mid = (lo + hi) // 2
-            per_layer = sum(p.n for n, p in self.census.named if self.census.layer_of[n] == 0)
-            census = self.census.truncated(mid, per_layer * self.settings.weight_elem)
+            census = self.census.truncated(mid, self.settings.weight_elem)
             trial = Planner(self.cfg, census, self.settings, cuda=self.cuda, gpu_budget=self.gpu_budget,
                             host_budget=self.host_budget)  # fmt: skip
             layers = "auto" if self.settings.layer_offload else 0
@@ -181,3 +224,17 @@ def _over(d: DevicePlan) -> int:
 
 def _closeness(p: Plan) -> tuple[int, int]:
     return (_over(p.gpu), _over(p.host))
+
+
+def _first(holds: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """The smallest i in [lo, hi] where holds(i), for a `holds` that turns true once and stays so; None if
+    it never holds. Bisection: O(log(hi - lo)) calls, which keeps planning a 100,000-layer model quick."""
+    if lo > hi or not holds(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -74,8 +74,10 @@ class Census:
     def parameters(self) -> int:
         return sum(p.n for _, p in self.named)
 
-    def truncated(self, layers: int, weight_bytes_per_layer: int) -> Census:
-        """The same model with only its first `layers` layers (for "what depth would fit")."""
+    def truncated(self, layers: int, weight_elem: int) -> Census:
+        """The same model with only its first `layers` layers (for "what depth would fit"), each layer's
+        weights taken as the first's parameters at weight_elem bytes each."""
+        weight_bytes_per_layer = weight_elem * sum(p.n for n, p in self.named if self.layer_of[n] == 0)
         keep = [(n, p) for n, p in self.named if self.layer_of[n] is None or self.layer_of[n] < layers]
         acts = replace(self.activations, layers=self.activations.layers[:layers])
         weights = self.weight_bytes - (self.n_layers - layers) * weight_bytes_per_layer

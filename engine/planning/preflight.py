@@ -103,11 +103,10 @@ def refusal(p: Planner, plan: Plan) -> str:
         highest = p.largest_host_fraction(k)
         if highest is not None and p.evaluate(highest, k).gpu.fits:
             return f"{what}; lower optimizer.optimizer_offload_fraction to <= {highest:.2f}"
-    if k > 0:
-        for fewer in range(k - 1, -1, -1):
-            trial = p.evaluate(fraction, fewer)
-            if trial.fits:
-                return f"{what}; lower model.cpu_offloading_num_layers to <= {fewer}"
+    if k > 0:  # the most layers whose pool fits the host; fewer only lose GPU memory
+        fewer = p.most_host_layers(fraction, below=k)
+        if fewer is not None and p.evaluate(fraction, fewer).fits:
+            return f"{what}; lower model.cpu_offloading_num_layers to <= {fewer}"
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
 
 
