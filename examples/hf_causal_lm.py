@@ -76,7 +76,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recompute", action="store_true", help='model.recompute_granularity="full"')
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--params-dtype", choices=["fp32", "half"], default="fp32")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-warmup", type=int, default=None,
+                   help="linear warm-up steps (default: all of --steps: a random-init model at full lr from step 1 "
+                        "can make the loss rise)")  # fmt: skip
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--save", help="save_pretrained here at the end")
     p.add_argument("--override", action="append", default=[], help="any config override, e.g. train.seed=1")
@@ -148,7 +151,8 @@ def flops_per_token(cfg, seq: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     config = {
-        "optimizer": {"lr": args.lr, "lr_warmup_iters": 0, "lr_decay_style": "constant"},
+        "optimizer": {"lr": args.lr, "lr_warmup_iters": args.steps if args.lr_warmup is None else args.lr_warmup,
+                      "lr_decay_style": "constant"},
         "train": {"train_iters": args.steps, "micro_batch_size": args.micro_batch, "device": args.device,
                   "global_batch_size": args.micro_batch * args.accum, "precision": args.precision,
                   "params_dtype": args.params_dtype},
