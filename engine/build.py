@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import Config, ModelConfig
-from engine.models.gpt import GPT, ffn_size
+from engine.models.gpt import GPT, ffn_size, recomputed_layers
 from engine.models.init import has_meta, materialize
 
 
@@ -20,6 +20,11 @@ def gpt_shape(m: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
     return {"num_layers": m.num_layers if num_layers is None else num_layers, "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length, "vocab_size": m.vocab_size,
             "ffn_hidden_size": ffn_size(m.hidden_size, m.ffn_hidden_size)}  # fmt: skip
+
+
+def offloaded_layers(m: ModelConfig) -> int:
+    """How many layers activation offloading takes (resolved: "auto" has been chosen by now)."""
+    return int(m.cpu_offloading_num_layers) if m.cpu_offloading else 0
 
 
 def build_model(m: ModelConfig, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -42,6 +47,7 @@ def build_model(m: ModelConfig, device: torch.device, seed: int, dtype: torch.dt
             init_method_std=m.init_method_std,
             recompute_granularity=m.recompute_granularity,
             layers=layers,
+            recompute_layers=recomputed_layers(m.num_layers, offloaded_layers(m), m.recompute_num_layers),
         )
     return materialize(model, device, dtype, seed)
 

@@ -33,3 +33,14 @@ def assist_needs_engine_adamw(optimizer: str, use_torch_optimizer: bool) -> str 
         return ("works with the engine's own AdamW only (optimizer.optimizer='adam', "
                 "use_torch_optimizer_for_cpu_offload=false); set optimizer.cpu_offload_gpu_assist=false")  # fmt: skip
     return None
+
+
+def recomputed_layer_count(recomputed: int, offloaded: int | None, layers: int) -> str:
+    """model.recompute_num_layers=recomputed for a model of `layers` layers, `offloaded` of them offloaded (None:
+    activation offloading off): the recomputed block follows the offloaded layers, and a layer that is both is
+    what Megatron forbids (in its words)."""
+    if offloaded is None:
+        return f"the model has {layers} layers; set model.recompute_num_layers between 0 and {layers}"
+    return (f"CPU offloading does not work when activation recomputation is enabled on the same layer: "
+            f"{offloaded} of {layers} layers are offloaded and {recomputed} would recompute after them; set "
+            f"model.recompute_num_layers between 0 and {layers - offloaded}")  # fmt: skip

@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.config import ConfigError, ModelConfig
 from engine.config.rules import BUILTIN_ONLY_KEYS
-from engine.models.gpt import GPT
+from engine.messages import recomputed_layer_count
+from engine.models.gpt import GPT, recomputed_layers
 from engine.offload.discovery import describe_stacks, find_layer_stacks
 
 _HF_OFF = "gradient_checkpointing_disable"  # transformers 5 also calls it activation_checkpointing_disable
@@ -80,7 +81,8 @@ def _shape_key_errors(model: nn.Module, m: ModelConfig, written: frozenset[str])
 
 
 def prepare(model: nn.Module, m: ModelConfig) -> str | None:
-    """Applies `recompute_granularity="full"` to the layers of the model in hand; returns a description of the
+    """Applies `recompute_granularity="full"` to the layers of the model in hand (model.recompute_num_layers of
+    them after the offloaded ones, or all); returns a description of the
     layer stacks it wrapped, or None. Raises ValueError naming the key and the fix where it cannot act."""
     if m.recompute_granularity != "full":
         return None
@@ -93,9 +95,16 @@ def prepare(model: nn.Module, m: ModelConfig) -> str | None:
         stacks = find_layer_stacks(model, m.cpu_offloading_layers_path)
     except ValueError as e:
         raise ValueError(f'model.recompute_granularity="full" wraps each transformer layer, but {e}') from None
-    for _, layers in stacks:
-        for layer in layers:
-            recompute(layer)
+    every = [layer for _, layers in stacks for layer in layers]  # forward order, as offloading counts them
+    offloaded = int(m.cpu_offloading_num_layers) if m.cpu_offloading else 0
+    count = m.recompute_num_layers
+    if count is not None and offloaded + count > len(every):
+        raise ValueError(
+            f"model.recompute_num_layers={count}: "
+            f"{recomputed_layer_count(count, offloaded if m.cpu_offloading else None, len(every))}"
+        )
+    for i in recomputed_layers(len(every), offloaded, count):
+        recompute(every[i])
     return describe_stacks(stacks)
 
 
@@ -120,7 +129,8 @@ def recompute(layer: nn.Module) -> None:
     if issubclass(cls, RecomputedModule):
         return
     if cls not in _RECOMPUTED:
-        _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (RecomputedModule, cls), {})
+        # _wraps: layer discovery (engine.offload.discovery) counts it as the block it wraps
+        _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (RecomputedModule, cls), {"_wraps": cls})
     layer.__class__ = _RECOMPUTED[cls]
 
 

@@ -446,6 +446,23 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"CPU offloading does not work when activation recomputation is enabled; "
          r"set model\.recompute_granularity=null"),
     ],
+    "_recomputed_layer_count": [
+        (["model.recompute_num_layers=2"], 1,
+         r'model\.recompute_num_layers=2: is read only with model\.recompute_granularity="full" \(now None\)'),
+        (["model.recompute_granularity=selective", "model.recompute_num_layers=auto"], 1,
+         r'model\.recompute_num_layers="auto": is read only with model\.recompute_granularity="full"'),
+        (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.recompute_granularity=full",
+                        "model.recompute_num_layers=3"], 1,
+         r"model\.recompute_num_layers=3: CPU offloading does not work when activation recomputation is enabled on "
+         r"the same layer: 2 of 4 layers are offloaded and 3 would recompute after them; set "
+         r"model\.recompute_num_layers between 0 and 2"),
+        (["model.recompute_granularity=full", "model.recompute_num_layers=5"], 1,
+         r"model\.recompute_num_layers=5: the model has 4 layers; set model\.recompute_num_layers between 0 and 4"),
+        (CPU_OFFLOAD + ["model.implementation=megatron", "model.recompute_granularity=full",
+                        "model.recompute_num_layers=1"], 1,
+         r"model\.recompute_num_layers=1: CPU offloading does not work when activation recomputation is enabled in "
+         r"megatron-core's GPT"),
+    ],
     "_one_activation_offloading": [
         (CPU_OFFLOAD + ["model.fine_grained_activation_offloading=true", 'model.offload_modules=["mlp"]'], 1,
          r"fine_grained_activation_offloading cannot be enabled with cpu_offloading\."),
@@ -589,6 +606,12 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
         "is chosen by the memory plan",
     ),
     (["model.recompute_granularity=full"], 1, "activation recomputation"),
+    # a counted block of recomputed layers after the offloaded ones: disjoint, so the seed's rule does not fire
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.recompute_granularity=full",
+                    "model.recompute_num_layers=2"], 1, "activation recomputation"),
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto", "model.recompute_granularity=full",
+                    "model.recompute_num_layers=auto"], 1, "activation recomputation"),
+    (["model.recompute_granularity=full", "model.recompute_num_layers=4"], 1, "recompute_num_layers"),
     (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1, "requires use_distrib"),
     (DPU, 1, "delayed_param_update"),
     (["train.global_batch_size=16", "train.micro_batch_size=4"], 2, "must be divisible"),

@@ -12,7 +12,13 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from engine.config.schema import default, show
-from engine.messages import TE_NEEDS_CUDA, assist_needs_engine_adamw, heads_divide_hidden, offloaded_layer_count
+from engine.messages import (
+    TE_NEEDS_CUDA,
+    assist_needs_engine_adamw,
+    heads_divide_hidden,
+    offloaded_layer_count,
+    recomputed_layer_count,
+)
 
 # --- cross-field rules: the reference's constraints first, then our own ----------------------------------
 
@@ -80,14 +86,40 @@ def _offload_without_pipeline(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         )
 
 
-@_rule("model.cpu_offloading", "model.recompute_granularity")
+@_rule("model.cpu_offloading", "model.recompute_granularity", "model.recompute_num_layers")
 def _offload_without_recompute(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
-    if c.model.cpu_offloading and c.model.recompute_granularity is not None:
+    # a counted block of recomputed layers follows the offloaded ones, so no layer is both; every layer is not
+    m = c.model
+    if m.cpu_offloading and m.recompute_granularity is not None and m.recompute_num_layers is None:
         yield Problem(
             "model.recompute_granularity",
             "CPU offloading does not work when activation recomputation is enabled; "
-            "set model.recompute_granularity=null or model.cpu_offloading=false",
+            "set model.recompute_granularity=null or model.cpu_offloading=false "
+            '(or recompute only layers that are not offloaded: model.recompute_num_layers, a number or "auto")',
         )
+
+
+@_rule("model.recompute_num_layers", "model.recompute_granularity", "model.cpu_offloading",
+       "model.cpu_offloading_num_layers", "model.num_layers", "model.implementation")  # fmt: skip
+def _recomputed_layer_count(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    m = c.model
+    r = m.recompute_num_layers
+    if r is None:
+        return
+    if m.recompute_granularity != "full":
+        yield Problem("model.recompute_num_layers", f'is read only with model.recompute_granularity="full" (now '
+                      f"{m.recompute_granularity}); set it, or unset model.recompute_num_layers")  # fmt: skip
+        return
+    if m.implementation == "megatron" and m.cpu_offloading:
+        yield Problem("model.recompute_num_layers", "CPU offloading does not work when activation recomputation "
+                      "is enabled in megatron-core's GPT; set model.recompute_num_layers=null and "
+                      "model.recompute_granularity=null, or model.cpu_offloading=false")  # fmt: skip
+        return
+    if c.model_in_hand or r == "auto":  # a model in hand: its layers are counted when they are wrapped
+        return
+    k = m.cpu_offloading_num_layers if m.cpu_offloading else None
+    if k != "auto" and r > m.num_layers - (k or 0):
+        yield Problem("model.recompute_num_layers", recomputed_layer_count(r, k, m.num_layers))
 
 
 @_rule("model.cpu_offloading", "model.fine_grained_activation_offloading")

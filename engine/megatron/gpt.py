@@ -102,7 +102,10 @@ def transformer_config(model_cfg: Any, **overrides: Any) -> Any:
         # megatron's own cpu_offloading stays off: the engine's activation offload does that job
         cpu_offloading=False,
     )
-    if recompute == "full":
+    count = _get(model_cfg, "recompute_num_layers")
+    if recompute == "full" and count is not None:  # the first `count` layers (no offloading: the rules refuse it)
+        kw.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=int(count))
+    elif recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":
         kw.update(recompute_granularity="selective")

@@ -85,6 +85,7 @@ class GPT(nn.Module):
         recompute_granularity: str | None = None,
         layers: nn.ModuleList | None = None,
         seed: int | None = None,
+        recompute_layers: range | None = None,
     ) -> None:
         """layers: blocks built elsewhere (Transformer Engine's) in place of the built-in ones; they initialise
         their own weights, so `init_from_seed` leaves them alone. seed: of the initial weights (None: drawn from
@@ -95,7 +96,11 @@ class GPT(nn.Module):
             raise ValueError(f"model.hidden_size={hidden_size}: {why}")
         ffn = ffn_size(hidden_size, ffn_hidden_size)
         self.seq_length = seq_length
-        self.full_recompute = recompute_granularity == "full"
+        # full recompute: these layers (all by default) keep only their input and run their forward again in backward
+        full = recompute_granularity == "full"
+        self.recompute_layers = (
+            (range(num_layers) if recompute_layers is None else recompute_layers) if full else range(0)
+        )
         # given weights, nn.Embedding skips its own normal_ init, which on the meta device imports torch._dynamo
         # (seconds, once); init_from_seed draws them anyway
         self.embedding = nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
@@ -123,12 +128,20 @@ class GPT(nn.Module):
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embedding(tokens) + self.position_embedding(positions)
-        for layer in self.layers:
-            if self.full_recompute and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers):
+            if i in self.recompute_layers and torch.is_grad_enabled():
                 x = checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
         return self.output(self.final_norm(x))
+
+
+def recomputed_layers(layers: int, offloaded: int, count: int | None) -> range:
+    """The layers full recompute runs again in backward: `count` of them (None: every layer) right after the
+    `offloaded` first ones (megatron-core's "block" method, moved past the offloaded layers so none is both)."""
+    if count is None:
+        return range(layers)
+    return range(offloaded, min(layers, offloaded + count))
 
 
 def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

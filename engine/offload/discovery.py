@@ -55,7 +55,8 @@ def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     for name, m in model.named_modules():
         if not isinstance(m, nn.ModuleList) or len(m) < 2:
             continue
-        if len({type(c) for c in m}) != 1 or not any(True for _ in m[0].parameters()):
+        # a block put under recompute is a subclass made for it (`_wraps`): still the same block
+        if len({getattr(type(c), "_wraps", type(c)) for c in m}) != 1 or not any(True for _ in m[0].parameters()):
             continue
         if any(name.startswith(prefix + ".") for prefix, _ in found):
             continue

@@ -56,6 +56,7 @@ class Activations:
     logits_transient: int  # bytes beyond `head` at the forward/backward turn (logits, their fp32 copy, grads)
     backward_working: int  # temporaries of one layer's backward (the gradients flowing through it)
     recompute_working: int = 0  # full recompute: one layer's activations rebuilt during its backward
+    checkpointed: tuple[Saved, ...] | None = None  # what a recomputed layer keeps (None: its first storage)
     source: str = "formula"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -121,13 +122,11 @@ def gpt_activations(
         Saved("mlp.gelu.out", n * f * a, (mlp, ("mlp.fc2", "Linear"))),
         *w("mlp.fc2.weight", h * f, "mlp.fc2", "Linear"),
     ]
-    recompute_working = 0
-    if recompute == "full":
-        # each layer keeps only its input (held by the checkpoint); its backward rebuilds the rest
-        layer = [Saved("input (checkpointed layer)", n * h * r)]
-        recompute_working = sum(x.nbytes for x in full)
-    else:
-        layer = full
+    # full recompute (the plan decides which layers): a recomputed layer keeps only its input (held by the
+    # checkpoint); its backward rebuilds the rest
+    checkpointed = (Saved("input (checkpointed layer)", n * h * r),)
+    recompute_working = sum(x.nbytes for x in full)
+    layer = full
     head = [
         Saved("tokens", n * INT64),
         Saved("positions", s * INT64),
@@ -146,6 +145,7 @@ def gpt_activations(
         logits_transient=logits_transient(n, vocab),
         backward_working=backward_working(n, h, r, n * f * a),
         recompute_working=recompute_working,
+        checkpointed=checkpointed,
         source="formula (built-in GPT)",
     )
 

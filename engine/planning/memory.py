@@ -76,6 +76,8 @@ class Settings:
     fine_grained: tuple[str, ...]
     min_bytes: int
     checkpoint_save: bool
+    recompute: bool  # model.recompute_granularity="full"
+    recompute_num_layers: int | str | None  # how many layers recompute after the offloaded ones (None: every one)
     data_bytes: int
     world: int
 
@@ -106,6 +108,8 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         fine_grained=tuple(m.offload_modules) if m.fine_grained_activation_offloading else (),
         min_bytes=DEFAULT_MIN_BYTES,
         checkpoint_save=cfg.checkpoint.save is not None,
+        recompute=m.recompute_granularity == "full",
+        recompute_num_layers=m.recompute_num_layers,
         data_bytes=2 * cfg.data.max_bytes if cfg.data.source != "tokens" else 0,  # the joined bytes and their array
         world=world,
     )
@@ -151,6 +155,7 @@ class Plan:
     auto: dict[str, bool] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     batch_seen: bool = True  # False: a user's model whose activations were not measured at a batch of its own
+    recomputed_layers: int = 0  # full recompute: layers offloaded_layers .. + recomputed_layers - 1
 
     @property
     def fits(self) -> bool:
@@ -166,6 +171,7 @@ class Plan:
         return {
             "fits": self.fits if self.batch_seen else None,
             "fraction": self.fraction, "offloaded_layers": self.offloaded_layers,
+            "recomputed_layers": self.recomputed_layers,
             "auto": dict(self.auto), "parameters": self.parameters, "cpu_stepped_parameters": self.cpu_parameters,
             "gpu": self.gpu.to_json(), "host": self.host.to_json(),
             "activations": {"source": self.activations_source, "per_layer_bytes": self.layer_activation_bytes,
@@ -195,10 +201,23 @@ def _moves(s: Settings, layer: int, k: int, e: Saved) -> bool:
     return bool(s.fine_grained) and not e.weight_copy and _selected(e.owners, s.fine_grained)
 
 
+def recomputed_count(c: Census, s: Settings, k: int, r: int | None = None) -> int:
+    """How many layers full recompute takes: r (a candidate of "auto"), else the config's count (None: all)."""
+    if not s.recompute:
+        return 0
+    if r is None:
+        r = s.recompute_num_layers if isinstance(s.recompute_num_layers, int) else None
+        if r is None and s.recompute_num_layers == "auto":
+            r = 0
+    return c.n_layers if r is None else max(0, min(r, c.n_layers - k))
+
+
 def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu_budget: int | None,
-             host_budget: int | None) -> Plan:  # fmt: skip
-    """The plan at one offload fraction and k offloaded layers (k is ignored without model.cpu_offloading)."""
+             host_budget: int | None, r: int | None = None) -> Plan:  # fmt: skip
+    """The plan at one offload fraction, k offloaded layers (ignored without model.cpu_offloading) and r layers
+    recomputed after them (None: as the config says; ignored without model.recompute_granularity="full")."""
     k = k if s.layer_offload else 0
+    r = recomputed_count(c, s, k, r)
     fraction = fraction if s.cpu_offload else 0.0
     named = c.named
     owned = named
@@ -236,7 +255,13 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     acts = c.activations
     dev, moved = [], []
     seen: dict[tuple[int, bool], tuple[int, list[int]]] = {}  # layers usually share one list of storages
+    kept: dict[int, list] = {}  # a recomputed layer's storages: what its checkpoint keeps
     for i, entries in enumerate(acts.layers):
+        if k <= i < k + r:
+            if id(entries) not in kept:
+                first = next((e for e in entries if not e.weight_copy), None)
+                kept[id(entries)] = list(acts.checkpointed) if acts.checkpointed is not None else [first] * bool(first)
+            entries = kept[id(entries)]
         key = (id(entries), s.layer_offload and i < k)
         if key not in seen:
             seen[key] = (sum(e.nbytes for e in entries if not _moves(s, i, k, e)),
@@ -278,6 +303,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     for i, d in enumerate(dev):
         dev_below[i + 1] = dev_below[i] + d
     worst: dict[str, int] | None = None
+    rebuilt = acts.recompute_working or (acts.layer_bytes(k) if r else 0)  # one recomputed layer, rebuilt
     for i in reversed(range(c.n_layers)):
         grads_now += delta[i]  # layer i's weight gradients appear during its backward
         if s.double_buffering:
@@ -286,7 +312,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
             reload = sum(moved_total[max(0, i - lookahead) : i + 1])
         ph = {**persistent, "gradients": grads_now, "activations": dev_below[i + 1],
               "activations_outside_layers": head_kept, "activation_offload_buffers": reload,
-              "backward_working": acts.backward_working + acts.recompute_working}  # fmt: skip
+              "backward_working": acts.backward_working + (rebuilt if r else 0)}  # fmt: skip
         if worst is None or sum(ph.values()) > sum(worst.values()):
             worst = ph
     if worst is not None:
@@ -309,7 +335,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
                 cpu_parameters=n_cpu, layer_activation_bytes=layer0,
                 offloaded_layer_bytes=sum(e.nbytes for e in acts.layers[0] if _moves(s, 0, max(k, 1), e))
                 if acts.layers else 0, activations_source=acts.source,
-                notes=tuple(notes), batch_seen=c.batch_seen)  # fmt: skip
+                notes=tuple(notes), batch_seen=c.batch_seen, recomputed_layers=r)  # fmt: skip
 
 
 def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int, moved: list[list[int]],

@@ -70,8 +70,10 @@ def _with_resolved(cfg: Config, plan: Plan) -> Config:
     if o.optimizer_offload_fraction == "auto":
         cfg = replace(cfg, optimizer=replace(o, optimizer_offload_fraction=plan.fraction))
     if m.cpu_offloading_num_layers == "auto":
-        cfg = replace(cfg, model=replace(m, cpu_offloading_num_layers=plan.offloaded_layers))
-    return cfg
+        m = replace(m, cpu_offloading_num_layers=plan.offloaded_layers)
+    if m.recompute_num_layers == "auto":
+        m = replace(m, recompute_num_layers=plan.recomputed_layers)
+    return replace(cfg, model=m) if m is not cfg.model else cfg
 
 
 def refusal(p: Planner, plan: Plan) -> str:
