@@ -415,6 +415,7 @@ def test_rule_is_skipped_when_its_input_failed_the_schema():
 # --- cross-field rules --------------------------------------------------------------------------------------
 
 CPU_OFFLOAD = ["model.cpu_offloading=true"]
+FULL = ["model.recompute_granularity=full"]
 DPU = ["optimizer.delayed_param_update=true", "optimizer.optimizer_cpu_offload=true",
        "optimizer.use_distributed_optimizer=true", "optimizer.optimizer_offload_fraction=0.5"]  # fmt: skip
 
@@ -607,10 +608,8 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     ),
     (["model.recompute_granularity=full"], 1, "activation recomputation"),
     # a counted block of recomputed layers after the offloaded ones: disjoint, so the seed's rule does not fire
-    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.recompute_granularity=full",
-                    "model.recompute_num_layers=2"], 1, "activation recomputation"),
-    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto", "model.recompute_granularity=full",
-                    "model.recompute_num_layers=auto"], 1, "activation recomputation"),
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", *FULL, "model.recompute_num_layers=2"], 1, "recomputation"),
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=auto", *FULL, "model.recompute_num_layers=auto"], 1, "recomput"),
     (["model.recompute_granularity=full", "model.recompute_num_layers=4"], 1, "recompute_num_layers"),
     (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true"], 1, "requires use_distrib"),
     (DPU, 1, "delayed_param_update"),

@@ -76,6 +76,9 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation: null (off), full (whole layer) or selective (core attention)."""
 
+    recompute_num_layers: int | Literal["auto"] | None = None
+    """With recompute_granularity=\"full\": how many layers recompute (megatron-core's \"block\" method: the..."""
+
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     """CUDA graph capture implementation."""
 
