@@ -76,6 +76,14 @@ CASES = [  # (dtype, micro-batches, fraction, bound MiB, optimizer options)
     (torch.bfloat16, 1, 1.0, 2048, {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}),
     (torch.bfloat16, 2, 0.5, 3, {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float32}),
     (torch.float32, 1, 1.0, 1, {"exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.bfloat16}),
+    (torch.bfloat16, 2, 0.5, 2048, {"store_param_remainders": True}),
+    (
+        torch.bfloat16,
+        1,
+        1.0,
+        3,
+        {"store_param_remainders": True, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    ),
 ]
 
 
@@ -94,7 +102,8 @@ def test_host_bytes_equal_the_plan_and_the_tensors_held(dtype, micro, fraction, 
     moments = [extra.get(k, torch.float32).itemsize for k in ("exp_avg_dtype", "exp_avg_sq_dtype")]
     plan = cpu_side_host_bytes(units, kind=extra.get("optimizer", "adam"), use_torch=use_torch, half_bytes=half_bytes,
                                grad_bytes=grad_bytes, speculate=True, speculation_buffer_bytes=mb * MIB,
-                               exp_avg_bytes=moments[0], exp_avg_sq_bytes=moments[1])  # fmt: skip
+                               exp_avg_bytes=moments[0], exp_avg_sq_bytes=moments[1],
+                               remainders=extra.get("store_param_remainders", False))  # fmt: skip
     walked = walk_host_bytes(opt.cpu, model)
     assert opt.host_bytes() == walked == sum(plan.values()), plan
     n = sum(units)

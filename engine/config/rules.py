@@ -281,6 +281,10 @@ def _gpu_assist_needs_engine_adam_offload(c: SimpleNamespace, dp: int) -> Iterat
     "optimizer.main_grads_dtype",
     "optimizer.exp_avg_dtype",
     "optimizer.exp_avg_sq_dtype",
+    "optimizer.store_param_remainders",
+    "train.precision",
+    "train.params_dtype",
+    "optimizer.delayed_param_update",
     "optimizer.implementation",
     "optimizer.optimizer",
     "optimizer.optimizer_cpu_offload",
@@ -315,6 +319,36 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
         elif o.cpu_offload_gpu_assist:
             yield Problem(f"optimizer.{k}", "does not combine with optimizer.cpu_offload_gpu_assist=true (the "
                           "assist streams fp32 states); set one of them back")  # fmt: skip
+    if o.store_param_remainders:
+        yield from _remainders(c)
+
+
+def _remainders(c: SimpleNamespace) -> Iterator[Problem]:
+    o, t, key = c.optimizer, c.train, "optimizer.store_param_remainders"
+    why = None
+    if not o.use_precision_aware_optimizer:
+        why = "needs optimizer.use_precision_aware_optimizer=true (as in megatron)"
+    elif t.precision != "bf16" or t.params_dtype != "half":
+        why = (
+            f"splits the master into the bf16 weight and a remainder; the weights here are "
+            f"{'fp32' if t.params_dtype != 'half' else t.precision}: set train.precision='bf16' and "
+            "train.params_dtype='half'"
+        )
+    elif o.implementation != "engine" or o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
+        why = (
+            "is the engine's own CPU AdamW's: set optimizer.implementation='engine', optimizer.optimizer='adam' "
+            "and use_torch_optimizer_for_cpu_offload=false"
+        )
+    elif not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
+        why = (
+            "acts on the CPU-stepped part, which exists only with optimizer.optimizer_cpu_offload=true and "
+            "optimizer.optimizer_offload_fraction > 0"
+        )
+    elif o.cpu_offload_gpu_assist or o.delayed_param_update:
+        clash = "cpu_offload_gpu_assist" if o.cpu_offload_gpu_assist else "delayed_param_update"
+        why = f"does not combine with optimizer.{clash}=true; set one of them back"
+    if why is not None:
+        yield Problem(key, f"{why}, or set {key}=false")
 
 
 @_rule(

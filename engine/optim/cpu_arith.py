@@ -3,10 +3,11 @@
 `CpuArith` is the one interface cpu_side.py steps through: step a unit in place (`step_unit`), and, where
 `speculates`, step it out of place into a spare (`guess`); the states it owns itself (torch.optim's) travel
 through `export`/`load` and are counted by `tensors`. Two implementations:
-FusedAdamW        the engine's AdamW over flat fp32 tensors: the compiled pass (fused_kernel) in slices on
+FusedAdamW        the engine's AdamW over flat tensors: the compiled pass (fused_kernel) in slices on
                   worker threads (ctypes releases the GIL), or torch's single-tensor ops where it did not
                   build. In place or out of place (the speculative step), with the half weights written in
-                  the same pass.
+                  the same pass. States fp32, or narrow (bf16/fp16 moments, the remainder master): read and
+                  written in their form in the same pass.
 TorchOptimizers   torch.optim on the host masters, one optimizer per layer unit so units still step and
                   travel back one by one (SGD, or use_torch_optimizer_for_cpu_offload); it owns its states.
 """
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from engine.optim import fused_kernel
+from engine.optim import fused_kernel, remainder
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
 from engine.optim.host_state import HostState
 
@@ -30,8 +31,9 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 @dataclass(frozen=True)
 class TensorStep:
-    """AdamW on one parameter's flat fp32 state (p, m, v) with gradient g (any float dtype), results into
-    (p_out, m_out, v_out) (the same tensors for an in-place step) and, when given, its half weights."""
+    """AdamW on one parameter's flat state (p, m, v) with gradient g (any float dtype), results into
+    (p_out, m_out, v_out) (the same tensors for an in-place step) and, when given, its half weights. p is the
+    fp32 master, or with rem the bf16 weight of the remainder form; m and v are fp32, bf16 or fp16."""
 
     p: torch.Tensor
     m: torch.Tensor
@@ -42,6 +44,8 @@ class TensorStep:
     v_out: torch.Tensor
     half_out: torch.Tensor | None
     scalars: tuple[float, ...]  # adam_math.adamw_scalars
+    rem: torch.Tensor | None = None  # the remainder form (remainder.py): p, p_out are bf16 weights, these int16
+    rem_out: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
@@ -99,6 +103,15 @@ class FusedAdamW:
         return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
     def step_unit(self, s: UnitStep) -> None:
+        """With the remainder form, s.half holds the unit's bf16 weights as the GPU has them (read back by the
+        caller): stepped in place there with the host's remainders, they are the half weights to upload."""
+        if self.host.remainders:
+            self.step([
+                TensorStep(s.half[n], m, v, s.grads[n], s.half[n], m, v, None,
+                           self._scalars(n, s.hypers, s.inv_scale, s.coef), rem, rem)
+                for n in s.names for rem, m, v in [self.host.state(n)]
+            ])  # fmt: skip
+            return
         self.step([
             TensorStep(p, m, v, s.grads[n], p, m, v, s.half[n] if s.half else None,
                        self._scalars(n, s.hypers, s.inv_scale, s.coef))
@@ -107,6 +120,8 @@ class FusedAdamW:
 
     def guess(self, unit, names, grads, out, half, hypers) -> None:
         """Step `names` out of place into `out` (name -> (p, m, v)), as if unclipped and unscaled."""
+        if self.host.remainders:
+            raise NotImplementedError("the remainder form steps in place only")
         self.step([
             TensorStep(*self.host.state(n), grads[n], *out[n], half[n] if half else None,
                        self._scalars(n, hypers, 1.0, 1.0))
@@ -125,10 +140,15 @@ class FusedAdamW:
     def step(self, steps: list[TensorStep]) -> None:
         futs: list[Future] = []
         for s in steps:
-            if s.m.dtype != torch.float32 or s.v.dtype != torch.float32:
+            if s.m.dtype != torch.float32 or s.v.dtype != torch.float32 or s.rem is not None:
                 numel = s.p.numel()
                 chunk = max(_MIN_SLICE, -(-numel // self.threads))
-                futs += [self.pool.submit(narrow_slice, s, a, min(numel, a + chunk)) for a in range(0, numel, chunk)]
+                for a in range(0, numel, chunk):
+                    b = min(numel, a + chunk)
+                    if self.lib is None:
+                        futs.append(self.pool.submit(narrow_slice, s, a, b))
+                    else:
+                        futs.append(self.pool.submit(fused_kernel.narrow_slice, self.lib, a, b, s))
                 continue
             if self.lib is None:
                 if not s.in_place:
@@ -151,20 +171,28 @@ class FusedAdamW:
 
 
 def narrow_slice(s: TensorStep, a: int, b: int) -> None:
-    """AdamW on [a, b) with exp_avg/exp_avg_sq stored narrow (bf16 or fp16): read and widened to fp32, the
-    fp32 update of adamw_torch_, written back rounded to nearest even (torch's conversion); the fp32 master
-    and the half weights as in the fp32 pass. Torch ops (they release the GIL): one slice per worker."""
-    p, g = s.p[a:b], s.g[a:b]
+    """AdamW on [a, b) with exp_avg/exp_avg_sq stored narrow (bf16 or fp16) and/or the master in the remainder
+    form, in torch ops (where the compiled pass did not build; they release the GIL: one slice per worker):
+    moments read and widened to fp32, the fp32 update of adamw_torch_, written back rounded to nearest even
+    (torch's conversion); the master as fp32 or joined and split again (remainder.py)."""
+    g = s.g[a:b]
     # an fp32 moment's .float() is the moment itself: copied when the step must leave its inputs alone
     m, v = (t[a:b].to(torch.float32, copy=not s.in_place) for t in (s.m, s.v))
-    p_out = s.p_out[a:b]
-    if not s.in_place:
-        p_out.copy_(p)
-    adamw_torch_(p_out, m, v, g, None, s.scalars)
+    if s.rem is not None:
+        p = remainder.join(s.p[a:b], s.rem[a:b])
+        adamw_torch_(p, m, v, g, None, s.scalars)
+        w, rem = remainder.split(p)
+        s.p_out[a:b].copy_(w)
+        s.rem_out[a:b].copy_(rem)
+    else:
+        p_out = s.p_out[a:b]
+        if not s.in_place:
+            p_out.copy_(s.p[a:b])
+        adamw_torch_(p_out, m, v, g, None, s.scalars)
+        if s.half_out is not None:
+            s.half_out[a:b].copy_(p_out)
     s.m_out[a:b].copy_(m)
     s.v_out[a:b].copy_(v)
-    if s.half_out is not None:
-        s.half_out[a:b].copy_(p_out)
 
 
 class TorchOptimizers:

@@ -141,6 +141,7 @@ class CpuPart:
         speculation_buffer_bytes: int = 2048 << 20,
         pin_threads: bool = False,
         moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+        remainders: bool = False,
     ) -> None:
         """entries: (name, param, group index, unit) in forward order, each unit's names contiguous.
 
@@ -152,7 +153,11 @@ class CpuPart:
         gpu_assist: the GPU steps some units too (gpu_assist.py), taking them from the same queue as
         the CPU threads once the clip factor is known; their states stay in (then pinned) host memory.
 
-        pin_threads: bind the worker threads and the driver to cores (affinity.py)."""
+        pin_threads: bind the worker threads and the driver to cores (affinity.py).
+
+        remainders: hold the master as the int16 remainders of the bf16 weights (remainder.py): each unit's
+        weights are read back from the model into the weight ring before its step, stepped there in place and
+        uploaded from there. In place only: no speculation."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
@@ -163,10 +168,15 @@ class CpuPart:
         if len(halves) > 1:
             raise ValueError(f"CPU-stepped parameters mix half dtypes {sorted(map(str, halves))}; use one")
         half = halves.pop() if halves else None
+        if remainders and half != torch.bfloat16:
+            raise ValueError(f"store_param_remainders (optimizer.store_param_remainders) keeps the fp32 master as "
+                             f"the bf16 weight plus a remainder; the CPU-stepped parameters are {half or torch.float32}"
+                             "; use bf16 weights or store_param_remainders=False")  # fmt: skip
         if gpu_assist and (why := assist_needs_engine_adamw(kind, use_torch)) is not None:
             raise ValueError(f"gpu_assist=True {why}")
         with_torch = use_torch or kind != "adam"
-        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0)  # FusedAdamW guesses
+        # FusedAdamW guesses, out of place: not the remainder form
+        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0 and not remainders)
         # the assist copies master, m and v both ways: pinned, or the copies run at pageable speed;
         # fp32 weights travel back from the master itself, so it is the pinned buffer then
         pin_states = gpu_assist and self.cuda
@@ -175,11 +185,12 @@ class CpuPart:
             pin_master=(pin_params and self.cuda and half is None) or pin_states, pin_moments=pin_states,
             pin_half=pin_params and self.cuda, pin_grads=pin_grads and self.cuda,
             spare_budget_bytes=speculation_buffer_bytes if self.speculate else 0, grad_scratch=with_torch,
-            moment_dtypes=moment_dtypes,
+            moment_dtypes=moment_dtypes, remainders=remainders,
         )  # fmt: skip
         with torch.no_grad():
             for n, p in self.params.items():
-                self.host.state(n)[0].copy_(p.detach().reshape(-1))
+                if not remainders:  # remainders start at zero: the master is the bf16 weight as it is
+                    self.host.state(n)[0].copy_(p.detach().reshape(-1))
         workers_init, driver_init = affinity.initializers(pin_threads)
         self.arith: CpuArith
         if with_torch:
@@ -393,6 +404,9 @@ class CpuPart:
                 if not self._commit(u, todo, step):
                     slot = self.host.take_ring() if self.host.ring else None
                     half = self.host.half_views(slot.half, u) if slot is not None else None
+                    if self.host.remainders:  # the masters' high halves are the model's weights: read them back
+                        self.copies.weights_to_host([self.params[n] for n in todo], [half[n] for n in todo],
+                                                    go.bwd_done)  # fmt: skip
                     self.arith.step_unit(UnitStep(u, todo, go.grads, go.hypers, go.inv_scale, go.coef, half))
                     compute += time.perf_counter() - t
                     ev = self._upload(u, todo, half if half is not None else self._masters(todo), go.bwd_done)
@@ -432,10 +446,15 @@ class CpuPart:
 
     # ---- state (called with no step in flight) ----
     def export(self, name: str) -> dict:
-        return self.host.export(name) | self.arith.export(name)
+        return self.host.export(name, self.params[name]) | self.arith.export(name)
 
     def load(self, name: str, st: dict) -> None:
-        self.host.load(name, st)
+        """The state of one parameter; with the remainder form its weight too (the master's high half)."""
+        weight = self.host.load(name, st)
+        if weight is not None:
+            p = self.params[name]
+            with torch.no_grad():
+                p.copy_(weight.view(p.shape))
         self.arith.load(name, st)
 
     def close(self) -> None:

@@ -112,12 +112,18 @@ def bind(path: Path) -> ctypes.CDLL:
     f = lib.fused_adamw_f32
     f.restype = ctypes.c_int
     f.argtypes = ARGTYPES
+    f = lib.fused_adamw_narrow
+    f.restype = ctypes.c_int
+    f.argtypes = NARROW_ARGTYPES
     return lib
 
 
 ARGTYPES = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
 ARGTYPES += [ctypes.c_float] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 7
 ARGTYPES += [ctypes.c_int]
+_VP, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+NARROW_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _I, _VP, _I, _F, _F] + [_VP] * 5 + [_I] + [_F] * 7
+P_F32, P_REM = 0, 1  # the master's form in fused_adamw_narrow: fp32, or bf16 weight + int16 remainder
 
 
 def load() -> ctypes.CDLL | None:
@@ -186,3 +192,19 @@ def adamw_slice(
         raise RuntimeError(
             f"fused_adamw_f32 rejected dtypes grad={g.dtype} half={None if half_out is None else half_out.dtype}"
         )
+
+
+def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
+    """One slice [start, stop) of a cpu_arith.TensorStep whose moments are narrow (bf16/fp16) or whose master is
+    the remainder form (s.rem set: s.p and s.p_out are the bf16 weights), in one pass of fused_adamw_narrow."""
+    inv_scale, coef, decay, w1, beta2, omb2, bc2s, eps, nss = s.scalars
+    rem = s.rem is not None
+    half = s.half_out
+    rc = lib.fused_adamw_narrow(
+        stop - start, _ptr(s.p, start), _ptr(s.rem, start), P_REM if rem else P_F32, _ptr(s.m, start),
+        KIND[s.m.dtype], _ptr(s.v, start), KIND[s.v.dtype], _ptr(s.g, start), KIND[s.g.dtype], inv_scale, coef,
+        _ptr(s.p_out, start), _ptr(s.rem_out, start), _ptr(s.m_out, start), _ptr(s.v_out, start),
+        _ptr(half, start), KIND_NONE if half is None else KIND[half.dtype], decay, w1, beta2, omb2, bc2s, eps, nss,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"fused_adamw_narrow rejected dtypes m={s.m.dtype} v={s.v.dtype} grad={s.g.dtype}")

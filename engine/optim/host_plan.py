@@ -4,7 +4,8 @@ The memory plan calls `cpu_side_host_bytes` for the host's optimizer parts and `
 walks the tensors the CPU part really holds; a test holds the two equal. What grows with the model:
 
   master, exp_avg, exp_avg_sq   12 B per CPU-stepped parameter (fp32), 8 B with bf16/fp16 moments,
-                                8 B for SGD (master + momentum)
+                                8 B for SGD (master + momentum); the master 2 B in the remainder form
+                                (store_param_remainders: remainder.py, the bf16 half is the model's weight)
   grad_staging                  one gradient per CPU-stepped parameter in the dtype it is shipped in:
                                 clipping needs the global norm of every gradient before any exact update,
                                 so each one waits on the host until the clip factor is known
@@ -21,6 +22,8 @@ What is bounded (by the largest layer unit or by `optimizer.speculation_buffer_m
 """
 
 from __future__ import annotations
+
+from engine.optim.remainder import REMAINDER_BYTES
 
 WEIGHT_RING = 2  # half-weight upload buffers: one being filled by the CPU step while the other is copied
 _FP32 = 4
@@ -58,6 +61,7 @@ def cpu_side_host_bytes(
     speculation_buffer_bytes: int,
     exp_avg_bytes: int = _FP32,
     exp_avg_sq_bytes: int = _FP32,
+    remainders: bool = False,
 ) -> dict[str, int]:
     """Bytes of host memory the CPU-stepped part holds in steady state (after its first step), by part.
 
@@ -65,7 +69,8 @@ def cpu_side_host_bytes(
     use_torch: torch.optim steps the host part (use_torch_optimizer_for_cpu_offload). half_bytes: 0 for
     fp32 weights, else the half dtype's size (2). grad_bytes: bytes per element of the shipped gradient.
     speculate: overlap is on (speculation needs it). exp_avg_bytes, exp_avg_sq_bytes: the moments' element
-    sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16).
+    sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16). remainders: the master
+    held as int16 remainders of bf16 weights (optimizer.store_param_remainders), stepped in place only.
     For SGD "momentum_buffer" is torch's, which exists only
     with a momentum above 0 (the plan counts it either way).
     """
@@ -77,7 +82,7 @@ def cpu_side_host_bytes(
             raise ValueError(f"{name}={val} is invalid: expected >= 0")
     n = sum(unit_numels)
     largest = max(unit_numels, default=0)
-    parts = {"master": _FP32 * n}
+    parts = {"master": (REMAINDER_BYTES if remainders else _FP32) * n}
     if kind == "adam":
         parts["exp_avg"] = exp_avg_bytes * n
         parts["exp_avg_sq"] = exp_avg_sq_bytes * n
@@ -87,7 +92,7 @@ def cpu_side_host_bytes(
     parts["grad_scratch"] = _FP32 * largest if (use_torch or kind != "adam") else 0
     parts["weight_staging"] = min(WEIGHT_RING, len(unit_numels)) * half_bytes * largest
     spec = 0
-    if speculates(kind, use_torch, speculate, speculation_buffer_bytes):
+    if speculates(kind, use_torch, speculate and not remainders, speculation_buffer_bytes):
         per_elem = _FP32 + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
         chosen = speculation_units(unit_numels, per_elem, speculation_buffer_bytes)
         spec = sum(unit_numels[i] * per_elem for i in chosen)

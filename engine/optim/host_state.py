@@ -1,7 +1,8 @@
 """Host state of the CPU-stepped part and its buffers: where every host tensor lives, nothing about when.
 
 Per layer unit (the parameters whose update travels back together, in forward order):
-  a `Bank`          the unit's fp32 master, exp_avg and exp_avg_sq as flat tensors of its elements, views by name.
+  a `Bank`          the unit's fp32 master (or the int16 remainders of its bf16 weights: remainder.py), exp_avg
+                    and exp_avg_sq as flat tensors of its elements, views by name.
                     Home banks are slices of one flat buffer per role (few, exact pinned allocations).
   spares            banks of the same sizes held apart for the speculative step (`SparePool`): a unit is
                     stepped out of place into a free spare of its size; commit swaps the unit's bank with
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.optim import remainder
 from engine.optim.host_buffers import FlatViews, flat_buffer
 from engine.optim.host_plan import WEIGHT_RING, speculation_units
 
@@ -131,11 +133,17 @@ class HostState:
         spare_budget_bytes: int,
         grad_scratch: bool,
         moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+        remainders: bool = False,
     ) -> None:
         """moments: hold exp_avg and exp_avg_sq (the engine's AdamW; torch.optim keeps its own).
         half: the model's half dtype, or None for fp32 weights. spare_budget_bytes: host memory for the
         speculative step's spares (0: none). grad_scratch: one unit's fp32 gradient for torch.optim.
-        moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes (precision.py: fp32, bf16 or fp16)."""
+        moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes (precision.py: fp32, bf16 or fp16).
+        remainders: the master is held as int16 remainders of the bf16 weights (remainder.py), which the caller
+        reads back from the model into the weight ring; no spares then (the remainder form steps in place)."""
+        if remainders and (half != torch.bfloat16 or spare_budget_bytes):
+            raise ValueError("the remainder form needs bf16 weights and no spares")
+        self.remainders = remainders
         self.layout = layout
         self.half = half
         self.pin_grads = pin_grads
@@ -148,7 +156,9 @@ class HostState:
         self._flat_layout = flat_layout
         # the home buffers (pinned or not as asked); after a commit a unit's bank may be a spare's slice and a
         # home slice a spare, so read a parameter's state through state(name), not these buffers' views
-        self.master = FlatViews(flat_layout, torch.float32, pin_master)
+        self.master = FlatViews(flat_layout, torch.int16 if remainders else torch.float32, pin_master)
+        if remainders:
+            self.master.flat.zero_()  # the bf16 weights as they are: the masters they round from, exactly
         self.moment_dtypes = moment_dtypes
         self.m = FlatViews(flat_layout, moment_dtypes[0], pin_moments) if moments else None
         self.v = FlatViews(flat_layout, moment_dtypes[1], pin_moments) if moments else None
@@ -223,23 +233,33 @@ class HostState:
         self._refresh(unit)
 
     # ---- state by name (no step in flight) ----
-    def export(self, name: str) -> dict:
-        """step, master and (when held here) exp_avg, exp_avg_sq: fresh tensors of the parameter's shape."""
+    def export(self, name: str, weight: torch.Tensor | None = None) -> dict:
+        """step, master and (when held here) exp_avg, exp_avg_sq: fresh tensors of the parameter's shape.
+        weight: the parameter's bf16 weight (on any device), which the remainder form's master needs."""
         shape = self.layout.shape[name]
         p, m, v = self.state(name)
+        if self.remainders:
+            p = remainder.join(weight.detach().reshape(-1).cpu(), p)
         st: dict = {"step": self.steps[name], "master": p.view(shape).clone()}
         if m is not None:
             st["exp_avg"] = m.view(shape).clone()
             st["exp_avg_sq"] = v.view(shape).clone()
         return st
 
-    def load(self, name: str, st: dict) -> None:
+    def load(self, name: str, st: dict) -> torch.Tensor | None:
+        """Returns, for the remainder form, the bf16 weight the saved master splits into (the caller's to set)."""
         self.steps[name] = int(st["step"])
         p, m, v = self.state(name)
-        p.copy_(st["master"].reshape(-1))
+        weight = None
+        if self.remainders:
+            weight, rem = remainder.split(st["master"].reshape(-1).float())
+            p.copy_(rem)
+        else:
+            p.copy_(st["master"].reshape(-1))
         if m is not None:  # a state saved without moments (SGD's) starts them at zero
             m.copy_(st.get("exp_avg", torch.zeros(1)).reshape(-1).expand_as(m))
             v.copy_(st.get("exp_avg_sq", torch.zeros(1)).reshape(-1).expand_as(v))
+        return weight
 
     # ---- staging ----
     def grad_buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor:

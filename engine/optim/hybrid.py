@@ -141,7 +141,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                   threads=o.cpu_threads or default_cpu_threads(), gpu_assist=o.gpu_assist,
                                   speculation_buffer_bytes=o.speculation_buffer_mb << 20,
                                   pin_threads=o.pin_cpu_threads,
-                                  moment_dtypes=(o.exp_avg_dtype, o.exp_avg_sq_dtype))  # fmt: skip
+                                  moment_dtypes=(o.exp_avg_dtype, o.exp_avg_sq_dtype),
+                                  remainders=o.store_param_remainders)  # fmt: skip
         self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
         self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
         self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
@@ -388,6 +389,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             masters = {n: saved[n]["master"] for n in self.cpu_names}
             keep = self.delayed.load(state_dict.get("delayed"), (int(st["step"]) for st in saved.values()), masters)
         _say_dtype_changes(saved, self.cpu_names, self.options)
+        if self.cpu is not None and self.cpu.host.remainders:
+            keep |= self.cpu_names  # the remainder form sets these weights itself: the masters' high halves
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
             side.load(n, saved[n])

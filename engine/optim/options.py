@@ -24,6 +24,7 @@ CONFIG_KEY = {
     "delayed_param_update_warmup": "optimizer.delayed_param_update_warmup",
     "gpu_assist": "optimizer.cpu_offload_gpu_assist",
     "delayed_param_update": "optimizer.delayed_param_update",
+    "store_param_remainders": "optimizer.store_param_remainders",
 }
 
 
@@ -82,7 +83,8 @@ def whole_number(name: str, value: object) -> int:
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the config's names
 _FLAGS = ("overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload",
-          "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist")  # fmt: skip
+          "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist",
+          "store_param_remainders")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class HybridOptions:
     speculation_buffer_mb: int = 2048
     exp_avg_dtype: torch.dtype = torch.float32  # the CPU-stepped part's moments (precision-aware optimizer)
     exp_avg_sq_dtype: torch.dtype = torch.float32
+    store_param_remainders: bool = False  # the CPU-stepped fp32 master as bf16 weight + int16 remainder
 
     def __post_init__(self) -> None:
         choice("optimizer", self.optimizer, ("adam", "sgd"))
@@ -132,6 +135,15 @@ class HybridOptions:
                 raise ValueError(f"{name} (optimizer.{name})={dtype} is the engine's own CPU AdamW's: set "
                                  "optimizer.optimizer='adam', use_torch_optimizer_for_cpu_offload=false and "
                                  f"cpu_offload_gpu_assist=false, or {name}='fp32'")  # fmt: skip
+        if self.store_param_remainders:
+            clash = [k for k, on in (("optimizer='sgd'", self.optimizer != "adam"),
+                                     ("use_torch_optimizer_for_cpu_offload", self.use_torch_optimizer_for_cpu_offload),
+                                     ("gpu_assist", self.gpu_assist),
+                                     ("delayed_param_update", self.delayed_param_update)) if on]  # fmt: skip
+            if clash:
+                raise ValueError(f"store_param_remainders (optimizer.store_param_remainders)=True is the engine's "
+                                 f"own CPU AdamW's, stepping the model's weights in place; it does not combine with "
+                                 f"{clash[0]}: set one of them back")  # fmt: skip
         if self.delayed_param_update and self.offload_fraction == 0:
             raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "
                              "update, and offload_fraction=0 steps nothing on the CPU; set "

@@ -67,6 +67,7 @@ class Settings:
     gpu_assist: bool
     speculation_bytes: int
     moment_bytes: tuple[int, int]  # optimizer.exp_avg_dtype, exp_avg_sq_dtype on the CPU-stepped part
+    remainders: bool  # optimizer.store_param_remainders: the CPU-stepped master as bf16 weight + remainder
     delayed: bool  # optimizer.delayed_param_update: a GPU shadow of the CPU-stepped weights, no speculation
     distributed: bool
     layer_offload: bool
@@ -99,6 +100,7 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         gpu_assist=o.cpu_offload_gpu_assist,
         speculation_bytes=o.speculation_buffer_mb * MIB,
         moment_bytes=(STATE_BYTES[o.exp_avg_dtype], STATE_BYTES[o.exp_avg_sq_dtype]),
+        remainders=o.store_param_remainders,
         delayed=o.optimizer_cpu_offload and o.delayed_param_update,
         distributed=o.use_distributed_optimizer and world > 1,
         layer_offload=m.cpu_offloading,
@@ -350,7 +352,7 @@ def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int,
                                         speculate=s.overlap and not s.delayed,
                                         speculation_buffer_bytes=s.speculation_bytes,
                                         exp_avg_bytes=s.moment_bytes[0],
-                                        exp_avg_sq_bytes=s.moment_bytes[1])  # fmt: skip
+                                        exp_avg_sq_bytes=s.moment_bytes[1], remainders=s.remainders)  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},
                 "activation_pool": sum(pool_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip

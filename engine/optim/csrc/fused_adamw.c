@@ -187,3 +187,109 @@ int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, c
 #endif
     return 0;
 }
+
+/* ---- the narrow forms: bf16/fp16 moments and the remainder master, read and written in the same pass ----
+ *
+ * The same update as adamw_loop, op for op, with each state in its storage form:
+ *   moments   fp32, bf16 or fp16: widened exactly on load, the fp32 result rounded to nearest even on store
+ *   master    fp32, or (P_REM) the bf16 weight plus a 16-bit remainder, megatron/Transformer Engine's
+ *             store_param_remainders: the fp32 master's high half rounded to nearest with ties away from zero
+ *             is the bf16 weight, its low half the remainder; the fp32 master is rebuilt bit for bit (a
+ *             negative remainder says the high half was rounded up). Round-to-nearest-even cannot be undone
+ *             from 16 bits at an exact tie, hence ties away (only there do the weights differ from RNE's).
+ * No streaming stores here: the narrow forms are stepped in place or into spare banks the caller owns. */
+
+enum { P_F32 = 0, P_REM = 1 };
+
+static inline __attribute__((always_inline)) float load_as(const void *x, int64_t i, const int k) {
+    return k == KIND_BF16 ? bf16_to_f32(((const uint16_t *)x)[i])
+         : k == KIND_F16  ? f16_to_f32(((const uint16_t *)x)[i])
+                          : ((const float *)x)[i];
+}
+
+static inline __attribute__((always_inline)) void store_as(void *x, int64_t i, float f, const int k) {
+    if (k == KIND_BF16) ((uint16_t *)x)[i] = f32_to_bf16(f);
+    else if (k == KIND_F16) ((uint16_t *)x)[i] = f32_to_f16(f);
+    else ((float *)x)[i] = f;
+}
+
+static inline float rem_join(uint16_t hi, int16_t rem) {
+    uint32_t h = (uint32_t)hi - (rem < 0); /* undo the round up (mod 2^16: the shift drops a borrow) */
+    uint32_t u = (h << 16) | (uint16_t)rem;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void rem_split(float f, uint16_t *hi, int16_t *rem) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    *rem = (int16_t)(uint16_t)u;
+    *hi = (uint16_t)((u >> 16) + ((u >> 15) & 1u)); /* round the high half up when the low half is >= 0x8000 */
+}
+
+static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const void *p, const int16_t *rem,
+                                                              const void *m, const void *v, const void *g,
+                                                              void *p_out, int16_t *rem_out, void *m_out, void *v_out,
+                                                              void *half_out, hyper_t h, const int pk, const int mk,
+                                                              const int vk, const int gk, const int hk,
+                                                              const int lerp_low) {
+    for (int64_t i = 0; i < n; ++i) {
+        float gi = load_as(g, i, gk);
+        gi = gi * h.inv_scale;
+        gi = gi * h.coef;
+        float pi = pk == P_REM ? rem_join(((const uint16_t *)p)[i], rem[i]) : ((const float *)p)[i];
+        pi = pi * h.decay;
+        float mi = load_as(m, i, mk);
+        mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
+        float vi = load_as(v, i, vk) * h.beta2;
+        vi = fmaf(h.one_minus_beta2, gi * gi, vi);
+        float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps;
+        pi = fmaf(h.neg_step_size, mi / denom, pi);
+        if (pk == P_REM) {
+            uint16_t hi;
+            int16_t r;
+            rem_split(pi, &hi, &r);
+            ((uint16_t *)p_out)[i] = hi;
+            rem_out[i] = r;
+        } else {
+            ((float *)p_out)[i] = pi;
+            if (hk != KIND_NONE) store_as(half_out, i, pi, hk);
+        }
+        store_as(m_out, i, mi, mk);
+        store_as(v_out, i, vi, vk);
+    }
+}
+
+#define NL(PK, MK, VK, GK, HK)                                                                                  \
+    (lerp_low ? narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, 1) \
+              : narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, 0))
+#define N_HALF(PK, MK, VK, GK)                                                                                  \
+    (PK == P_REM ? NL(PK, MK, VK, GK, KIND_NONE)                                                                \
+     : half_kind == KIND_BF16 ? NL(PK, MK, VK, GK, KIND_BF16)                                                   \
+     : half_kind == KIND_F16  ? NL(PK, MK, VK, GK, KIND_F16)                                                    \
+                              : NL(PK, MK, VK, GK, KIND_NONE))
+#define N_G(PK, MK, VK)                                                                                         \
+    (g_kind == KIND_BF16 ? N_HALF(PK, MK, VK, KIND_BF16)                                                        \
+     : g_kind == KIND_F16 ? N_HALF(PK, MK, VK, KIND_F16) : N_HALF(PK, MK, VK, KIND_F32))
+#define N_V(PK, MK)                                                                                             \
+    (v_kind == KIND_BF16 ? N_G(PK, MK, KIND_BF16) : v_kind == KIND_F16 ? N_G(PK, MK, KIND_F16) : N_G(PK, MK, KIND_F32))
+#define N_M(PK)                                                                                                 \
+    (m_kind == KIND_BF16 ? N_V(PK, KIND_BF16) : m_kind == KIND_F16 ? N_V(PK, KIND_F16) : N_V(PK, KIND_F32))
+
+/* p: fp32 master, or (p_kind P_REM) the bf16 weights with rem their remainders; outputs likewise (p_out the
+ * new bf16 weights then, half_out unused). m, v and their outputs in m_kind, v_kind. Returns 0, or 1 on a bad
+ * kind. The outputs may alias the inputs element for element. */
+int fused_adamw_narrow(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
+                       const void *v, int v_kind, const void *g, int g_kind, float inv_scale, float coef, void *p_out,
+                       int16_t *rem_out, void *m_out, void *v_out, void *half_out, int half_kind, float decay,
+                       float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+    if (p_kind < P_F32 || p_kind > P_REM || m_kind < KIND_F32 || m_kind > KIND_F16 || v_kind < KIND_F32 ||
+        v_kind > KIND_F16 || g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE)
+        return 1;
+    hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
+    const int lerp_low = w1 < 0.5f;
+    if (p_kind == P_REM) N_M(P_REM);
+    else N_M(P_F32);
+    return 0;
+}

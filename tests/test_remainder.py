@@ -1,0 +1,221 @@
+"""The remainder master (optimizer.store_param_remainders): the fp32 master held as the bf16 weight plus a 16-bit
+remainder. Exact: split/join round-trips every bit pattern, and a run with it is bit-equal to the fp32-master run,
+element-wise, over several steps (masters, moments, and the weights but at exact ties, where it rounds away
+from zero); its host bytes; checkpoints both ways; what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optim_reference import HP, batches, groups, tiny_gpt
+
+from engine.models.gpt import gpt_loss
+from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel, remainder
+from engine.optim.adam_math import Hyper, adamw_scalars
+from engine.optim.cpu_arith import TensorStep, narrow_slice
+
+H = Hyper(1e-2, 0.9, 0.95, 1e-8, 0.1, 0.0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def test_split_join_every_pattern_exact_and_nearest():
+    g = torch.Generator().manual_seed(0)
+    pats = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64)
+    ties = (pats & ~0xFFFF) | 0x8000  # exact ties: the low half is 0x8000
+    special = torch.tensor([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF, 0x7F7F8000, 1, 0xFFFFFFFF])
+    bits = torch.cat([pats, ties, special - (special >> 31) * (1 << 32)]).to(torch.int32)
+    master = bits.view(torch.float32)
+    weight, rem = remainder.split(master)
+    assert weight.dtype == torch.bfloat16 and rem.dtype == torch.int16
+    assert torch.equal(_bits(remainder.join(weight, rem)), bits)  # bit for bit, NaNs and infinities included
+    finite = master.isfinite() & weight.isfinite()
+    err, rne = (weight.double() - master.double()).abs(), master.bfloat16()
+    assert (err <= (rne.double() - master.double()).abs())[finite].all()  # nearest
+    tie = (bits.to(torch.int64) & 0xFFFF) == 0x8000
+    assert torch.equal((_bits(weight) != _bits(rne)) & finite, tie & finite & (_bits(weight) != _bits(rne)))
+    away = weight.double().abs() >= master.double().abs()
+    assert away[tie & finite].all()  # ties away from zero, the only place it differs from RNE
+
+
+def _paths():
+    return ["torch"] + (["c"] if fused_kernel.load() is not None else [])
+
+
+def _step(path: str, s: TensorStep, n: int) -> None:
+    if path == "c":
+        fused_kernel.narrow_slice(fused_kernel.load(), 0, 3000, s)
+        fused_kernel.narrow_slice(fused_kernel.load(), 3000, n, s)
+    else:
+        narrow_slice(s, 0, 3000)
+        narrow_slice(s, 3000, n)
+
+
+@pytest.mark.parametrize("path", _paths())
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16, torch.float16])
+def test_remainder_pass_bit_equal_to_the_fp32_master_over_steps(path, moments):
+    """The same pass on the fp32 master and on its remainder form, five steps of fresh gradients."""
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    p = torch.randn(n, generator=g)
+    p[:100] = (_bits(p[:100]).to(torch.int64) & ~0xFFFF | 0x8000).to(torch.int32).view(torch.float32)  # ties
+    m0, v0 = (torch.randn(n, generator=g) * 1e-2).to(moments), (torch.rand(n, generator=g) * 1e-4).to(moments)
+    a = (p.clone(), m0.clone(), v0.clone(), torch.empty(n, dtype=torch.bfloat16))
+    w, rem = remainder.split(p)
+    b = (w, rem, m0.clone(), v0.clone())
+    for step in range(1, 6):
+        grad = (torch.randn(n, generator=g) * 1e-2).bfloat16()
+        sc = adamw_scalars(H, step, 1.0, 0.9)
+        if path == "c" and moments == torch.float32:  # the fp32 master's own pass, as the fp32 run steps it
+            fused_kernel.adamw_slice(fused_kernel.load(), 0, n, a[0], a[1], a[2], grad, None, *a[:3], a[3], sc)
+        else:
+            _step(path, TensorStep(a[0], a[1], a[2], grad, *a[:3], a[3], sc), n)
+        _step(path, TensorStep(b[0], b[2], b[3], grad, b[0], b[2], b[3], None, sc, b[1], b[1]), n)
+        assert torch.equal(_bits(remainder.join(b[0], b[1])), _bits(a[0])), step
+        assert torch.equal(_bits(b[2]), _bits(a[1])) and torch.equal(_bits(b[3]), _bits(a[2]))
+        assert torch.equal(_bits(b[0]), _bits(remainder.split(a[0])[0]))
+        differ = _bits(b[0]) != _bits(a[3])  # against the fp32 run's RNE weights: at exact ties only
+        assert ((_bits(a[0]).to(torch.int64) & 0xFFFF) == 0x8000)[differ].all()
+
+
+def _opt(model, fraction: float, remainders: bool, **kw) -> HybridDeviceOptimizer:
+    opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(
+        **HP, offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True, store_param_remainders=remainders,
+        **kw))  # fmt: skip
+    opt.attach_model(model)
+    return opt
+
+
+def _grads(model, steps: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [{n: (torch.randn(p.shape, generator=g) * 1e-2).bfloat16() for n, p in model.named_parameters()}
+            for _ in range(steps)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_run_bit_equal_to_the_fp32_master_run(fraction):
+    """The optimizer over several steps with the same gradients (given, so the weights' rounding at exact ties
+    cannot steer them): masters, moments and step counts bit-equal; the weights the masters' nearest."""
+    states, weights = [], []
+    for remainders in (False, True):
+        model = tiny_gpt(dtype=torch.bfloat16)
+        opt = _opt(model, fraction, remainders)
+        for grads in _grads(model, 4):
+            opt.zero_grad(set_to_none=True)
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone()
+            assert opt.clip_and_step(0.05)[1]  # clipped: the clip factor reaches the pass
+        states.append(opt.state_dict()["state"])
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if remainders:
+            assert opt.cpu.host.master.flat.dtype == torch.int16
+        opt.close()
+    (fp32, rem), (w32, wrem) = states, weights
+    for n, st in fp32.items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(rem[n][k]), _bits(st[k])), (n, k)
+        assert rem[n]["step"] == st["step"] == 4
+        assert torch.equal(_bits(wrem[n]), _bits(remainder.split(st["master"])[0])), n
+        tie = (_bits(st["master"]).to(torch.int64) & 0xFFFF) == 0x8000
+        assert tie[_bits(wrem[n]) != _bits(w32[n])].all(), n
+
+
+def test_training_loss_bit_equal_where_no_tie_is_met():
+    """A real loop (the loss reads the weights): the same losses as the fp32-master run, step for step, as long
+    as no master sits at an exact tie (checked: the weights then match the fp32 run's everywhere)."""
+    losses = []
+    for remainders in (False, True):
+        model = tiny_gpt(dtype=torch.bfloat16)
+        opt = _opt(model, 0.5, remainders)
+        run = []
+        for (tokens,) in batches(5, 1):
+            opt.zero_grad(set_to_none=True)
+            loss = gpt_loss(model(tokens), tokens)
+            loss.backward()
+            opt.clip_and_step(1.0)
+            run.append(loss.item())
+        opt.synchronize()
+        losses.append((run, {n: p.detach().clone() for n, p in model.named_parameters()}))
+        opt.close()
+    (a, wa), (b, wb) = losses
+    assert all(torch.equal(_bits(wa[n]), _bits(wb[n])) for n in wa)  # this run meets no exact tie
+    assert a == b
+
+
+@pytest.mark.parametrize("direction", ["remainder->fp32", "fp32->remainder"])
+def test_checkpoint_both_ways(direction):
+    first = direction.startswith("remainder")
+    model = tiny_gpt(dtype=torch.bfloat16)
+    opt = _opt(model, 1.0, first)
+    for (tokens,) in batches(3, 1):
+        opt.zero_grad(set_to_none=True)
+        gpt_loss(model(tokens), tokens).backward()
+        opt.clip_and_step(1.0)
+    state = opt.state_dict()
+    resumed = tiny_gpt(seed=5, dtype=torch.bfloat16)
+    opt2 = _opt(resumed, 0.5, not first)
+    opt2.load_state_dict(state)
+    back = opt2.state_dict()["state"]
+    for n, st in state["state"].items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(back[n][k]), _bits(st[k])), (n, k)
+        w = dict(resumed.named_parameters())[n].detach()
+        want = remainder.split(st["master"])[0] if n in opt2.cpu_names and not first else st["master"].bfloat16()
+        assert torch.equal(_bits(w), _bits(want)), n
+    opt.close()
+    opt2.close()
+
+
+def test_refused_where_it_cannot_act():
+    with pytest.raises(ValueError, match="bf16 weight plus a remainder; the CPU-stepped parameters are torch.float32"):
+        _opt(tiny_gpt(), 0.5, True)._build()
+    for what in ("gpu_assist", "delayed_param_update", "use_torch_optimizer_for_cpu_offload"):
+        with pytest.raises(ValueError, match=rf"store_param_remainders \(optimizer.store_param_remainders\).*{what}"):
+            HybridOptions(lr=1e-3, offload_fraction=0.5, store_param_remainders=True, **{what: True})
+
+
+OFFLOAD = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5",
+           "optimizer.use_distributed_optimizer=true", "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+           "train.precision=bf16", "train.params_dtype=half"]  # fmt: skip
+REM = ["optimizer.use_precision_aware_optimizer=true", "optimizer.store_param_remainders=true"]
+
+
+def test_config_key_reaches_the_cpu_part_and_the_plan():
+    from engine.build import build_optimizer
+    from engine.config import load_config
+    from engine.optim.param_groups import named_parameter_groups
+    from engine.planning import plan
+
+    model = tiny_gpt(dtype=torch.bfloat16)
+    opt = build_optimizer(named_parameter_groups(model, None, 0.0), load_config({}, overrides=OFFLOAD + REM), model)
+    opt._build()
+    assert opt.cpu.host.remainders and opt.cpu.host.master.flat.dtype == torch.int16 and not opt.cpu.speculate
+    opt.close()
+    shape = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+             "model.vocab_size=256", "train.micro_batch_size=2", "train.global_batch_size=2"]  # fmt: skip
+    plans = [plan(load_config({}, shape + OFFLOAD + extra), gpu_budget_bytes=1 << 30, host_budget_bytes=1 << 30)
+             for extra in ([], REM)]  # fmt: skip
+    n_cpu = plans[0].cpu_parameters
+    wide, thin = (p.to_json()["host"]["parts"] for p in plans)
+    assert n_cpu > 0 and wide["optimizer.master"] == 4 * n_cpu and thin["optimizer.master"] == 2 * n_cpu
+    assert thin["optimizer.speculation"] == 0 and wide["optimizer.speculation"] > 0
+    assert load_config({}).optimizer.store_param_remainders is False  # default unchanged
+
+
+@pytest.mark.parametrize("over", [
+    OFFLOAD + REM[1:],  # without the switch
+    OFFLOAD[:-2] + REM,  # fp32 weights
+    OFFLOAD[:-2] + ["train.precision=fp16", "train.params_dtype=half"] + REM,
+    OFFLOAD + REM + ["optimizer.delayed_param_update=true"],
+    OFFLOAD + REM + ["optimizer.cpu_offload_gpu_assist=true"],
+    OFFLOAD[2:] + REM,  # no CPU-stepped part
+])  # fmt: skip
+def test_config_refusals_in_one_line(over):
+    from engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config({}, overrides=over)
+    msg = str(e.value).strip()
+    assert "optimizer.store_param_remainders" in msg and "\n" not in msg, msg
