@@ -9,7 +9,7 @@ import torch
 from optim_reference import HP, batches, groups, tiny_gpt
 
 from engine.models.gpt import gpt_loss
-from engine.optim import HybridDeviceOptimizer, HybridOptions
+from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import TensorStep, narrow_slice
 
@@ -27,10 +27,23 @@ def reference_f64(p, m, v, g, h: Hyper, step: int, m_dtype, v_dtype):
     return p, m.to(m_dtype), v.to(v_dtype)
 
 
+def _slice(path: str):
+    """The narrow pass of `path`: torch's ops (the fallback) or the compiled pass."""
+    if path == "torch":
+        return narrow_slice
+    lib = fused_kernel.load()
+    if lib is None:
+        pytest.skip(f"the C pass did not build here: {fused_kernel.status()}")
+    return lambda s, a, b: fused_kernel.narrow_slice(lib, a, b, s)
+
+
 @pytest.mark.parametrize("m_dtype", NARROW + [torch.float32])
 @pytest.mark.parametrize("v_dtype", NARROW)
 @pytest.mark.parametrize("in_place", [True, False])
-def test_narrow_update_against_float64(m_dtype, v_dtype, in_place):
+@pytest.mark.parametrize("path", ["torch", "c"])
+def test_narrow_update_against_float64(m_dtype, v_dtype, in_place, path):
+    """Both passes round the moments to nearest even (bf16, fp16) after the fp32 update."""
+    step_slice = _slice(path)
     gen = torch.Generator().manual_seed(0)
     n, step = 5000, 7
     h = Hyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 0.0)
@@ -43,8 +56,8 @@ def test_narrow_update_against_float64(m_dtype, v_dtype, in_place):
     half = torch.empty(n, dtype=torch.bfloat16)
     before = (p.clone(), m.clone(), v.clone())
     s = TensorStep(p, m, v, g, *outs, half, adamw_scalars(h, step, 1.0, 1.0))
-    narrow_slice(s, 0, 3000)
-    narrow_slice(s, 3000, n)
+    step_slice(s, 0, 3000)
+    step_slice(s, 3000, n)
     p_out, m_out, v_out = outs
     assert m_out.dtype == m_dtype and v_out.dtype == v_dtype
     # the moments: the fp32 result rounded to nearest; fp32 and float64 agree to far below the narrow ulp, so
@@ -61,6 +74,23 @@ def test_narrow_update_against_float64(m_dtype, v_dtype, in_place):
     if not in_place:
         for a, b in zip((p, m, v), before, strict=True):
             assert torch.equal(a, b)  # out of place leaves the inputs alone
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_c_pass_rounds_each_moment_as_torch_does(dtype):
+    """The compiled pass on narrow moments against the fp32 pass on the same values widened, followed by torch's
+    conversion (round to nearest even): the same fp32 arithmetic, the same rounding."""
+    lib = _slice("c") and fused_kernel.load()
+    gen = torch.Generator().manual_seed(3)
+    n = 70000
+    p, g = torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    m, v = (torch.randn(n, generator=gen) * 1e-2).to(dtype), (torch.rand(n, generator=gen) * 1e-4).to(dtype)
+    sc = adamw_scalars(Hyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 0.0), 3, 1.0, 1.0)
+    wide = [p.clone(), m.float(), v.float()]
+    fused_kernel.adamw_slice(lib, 0, n, *wide, g, None, *wide, None, sc)
+    fused_kernel.narrow_slice(lib, 0, n, TensorStep(p, m, v, g, p, m, v, None, sc))
+    assert torch.equal(p, wide[0])
+    assert torch.equal(m, wide[1].to(dtype)) and torch.equal(v, wide[2].to(dtype))
 
 
 def _opt(model, fraction, m_dtype, v_dtype):

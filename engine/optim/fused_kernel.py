@@ -199,6 +199,10 @@ def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
     the remainder form (s.rem set: s.p and s.p_out are the bf16 weights), in one pass of fused_adamw_narrow."""
     inv_scale, coef, decay, w1, beta2, omb2, bc2s, eps, nss = s.scalars
     rem = s.rem is not None
+    if (s.m_out.dtype, s.v_out.dtype, s.p_out.dtype) != (s.m.dtype, s.v.dtype, s.p.dtype) or rem != (
+        s.rem_out is not None
+    ):
+        raise ValueError("the narrow pass writes each state in the form it reads it: outputs' dtypes must match")
     half = s.half_out
     rc = lib.fused_adamw_narrow(
         stop - start, _ptr(s.p, start), _ptr(s.rem, start), P_REM if rem else P_F32, _ptr(s.m, start),
