@@ -183,6 +183,9 @@ class OptimizerConfig:
     exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     """dtype of Adam's exp_avg_sq on the CPU-stepped part (needs use_precision_aware_optimizer), as exp_avg_dtype."""
 
+    store_param_remainders: bool = False
+    """Hold the CPU-stepped part's fp32 master as the bf16 weight plus a 16-bit remainder (megatron-core's..."""
+
 
 @dataclass(frozen=True)
 class TrainConfig:
