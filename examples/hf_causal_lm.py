@@ -30,29 +30,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import engine  # noqa: E402
+from engine.bench.hf_models import SHAPES, build, flops_per_token, hf_config  # noqa: E402
 from engine.data import stdlib_bytes  # noqa: E402
 from engine.metrics import format_bytes  # noqa: E402
 from engine.planning import preflight  # noqa: E402
 from engine.planning.budget import peak_rss_bytes  # noqa: E402
 
-PRESETS = {
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256),
-    # TinyLlama-1.1B's shape
-    "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
-    # Llama-3-8B's shape (8.03 B parameters)
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                      rope_theta=500000.0),
-}  # fmt: skip
+PRESETS = SHAPES  # named shapes, one table with bin/bench scale --hf-config (engine/bench/hf_models.py)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a local directory with config.json (and weights, if any)")
-    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="a Llama built from a config")
+    src.add_argument("--preset", choices=list(PRESETS), default="tiny", help="a named shape, built from its config")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -98,15 +89,9 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     import transformers
 
     dtype = torch.bfloat16 if args.params_dtype == "half" and args.precision == "bf16" else torch.float32
-    with device:  # initialised where it trains: no host copy of a large model
-        if args.model is None:
-            shape = {**PRESETS[args.preset], **({"num_hidden_layers": args.layers} if args.layers else {})}
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)  # built in its training dtype: no fp32 copy of 8 B parameters
-            try:
-                return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-            finally:
-                torch.set_default_dtype(previous)
+    if args.model is None:  # built where it trains, in its training dtype: no host or fp32 copy of 8 B parameters
+        return build(hf_config(PRESETS[args.preset], args.layers), device, dtype, seed=0)
+    with device:
         folder = Path(args.model)
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
@@ -138,14 +123,6 @@ def overrides(args: argparse.Namespace) -> list[str]:
     if args.recompute:
         out += ["model.recompute_granularity=full"]
     return out + args.override
-
-
-def flops_per_token(cfg, seq: int) -> float:
-    """6N + 12*L*h*s: N the matmul weights (attention, MLP, output head; embeddings and norms not counted)."""
-    h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
-    n = layers * (2 * h * h + 2 * h * kv + 3 * h * f) + h * cfg.vocab_size
-    return 6 * n + 12 * layers * h * seq
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -185,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "auto": {k: v for k, v in plan.auto.items() if v},
         "s_per_iter": s_per_iter,
         "tokens_per_s": tokens / s_per_iter,
-        "tflops": tokens * flops_per_token(model.config, args.seq) / s_per_iter / 1e12,
+        "tflops": tokens * flops_per_token(model, model.config, args.seq)["total"] / s_per_iter / 1e12,
         "plan_gpu_bytes": plan.gpu.total_bytes,
         "plan_host_bytes": plan.host.total_bytes,
         "plan_fits": plan.fits,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.bench import scale
+from engine.bench import scale, scale_run
 from engine.models.gpt import GPT
 
 TINY = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2",
@@ -53,13 +53,13 @@ def test_bench_scale_rows_on_cpu(tmp_path, capsys):
 def test_each_model_is_freed_before_the_next(monkeypatch):
     """The bench refuses to go on while a previous model is still referenced (it would not fit on a GPU)."""
     kept = []
-    real = scale._model
+    real = scale.Shape.build
 
     def keep(*args):
         kept.append(real(*args))
         return kept[-1]
 
-    monkeypatch.setattr(scale, "_model", keep)
+    monkeypatch.setattr(scale.Shape, "build", keep)
     with pytest.raises(RuntimeError, match="still referenced"):
         scale.main([*TINY, "--rows", "fit"])
 
@@ -80,7 +80,7 @@ def test_variants_overrides_and_refusals_as_rows(tmp_path, capsys):
     assert rows["half"]["losses"] != rows["exact"]["losses"]  # unclipped at another fraction: another run
     assert rows["refused"]["unavailable"] and "gpu_assist" in rows["refused"]["unavailable"]
     assert "half: optimizer.optimizer_offload_fraction=0.5, optimizer.clip_grad=0" in capsys.readouterr().out
-    cfg = scale._config(scale.parse_args(argv), scale.Shape(2, 32, 4, 16), 0.3, False)
+    cfg = scale_run.row_config(scale.parse_args(argv), scale.Shape(2, 32, 4, 16), 0.3, False)
     assert cfg["optimizer"]["adam_beta2"] == 0.99 and cfg["optimizer"]["clip_grad"] == 1.0  # --set: every row
 
 

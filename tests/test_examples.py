@@ -40,9 +40,11 @@ def test_hf_causal_lm_offloads_and_saves_a_loadable_model(tmp_path):
 
 
 def test_hf_causal_lm_reads_a_local_directory(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from engine.bench.hf_models import hf_config
+
     example = load("hf_causal_lm")
-    transformers.LlamaConfig(**example.PRESETS["tiny"]).save_pretrained(tmp_path)  # a config, no weights
+    hf_config(example.PRESETS["tiny"]).save_pretrained(tmp_path)  # a config, no weights
     result = example.main(["--model", str(tmp_path), "--device", "cpu", "--steps", "2", "--seq", "32"])
     assert result["model"] == str(tmp_path) and result["offload"] == []
 

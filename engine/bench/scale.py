@@ -10,6 +10,9 @@ the next is built: two models at the default shape would not fit on one GPU toge
 
   --variant   more rows of the deep shape with config overrides (`NAME:key=value,key=value`): another
               fraction, clip_grad=0 (unclipped steps, where the speculative step can act), a speculation budget.
+  --fractions one more exact row of the deep shape per fraction (f=0: no optimizer offload).
+  --hf-config a HuggingFace causal LM (a config.json or a named shape of engine/bench/hf_models.py) instead of
+              the built-in GPT; its twin's depth and `--layers auto` come from the memory plan (bench/hf_scale.py).
 `--set key=value` overrides the config of every row (e.g. bf16 gradient accumulation for the largest model).
 
 Per row: median iteration time, tokens/s, model TFLOP/s (formula printed with the table), TFLOP/s over
@@ -27,24 +30,20 @@ CPU step, measured where it runs (engine.optim.cpu_side.StepTiming, medians over
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
-import resource
-import statistics
 import sys
-import time
-import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.bench import no_cuda
-from engine.config import ConfigError, load_config
+from engine.bench import hf_models, no_cuda
+from engine.bench.scale_rows import report
+from engine.bench.scale_run import COMMAND, deep_rows, row_config, run_rows
+from engine.config import load_config
 from engine.data import TokenBatches, stdlib_bytes
 from engine.models.gpt import GPT
+from engine.planning.budget import parse_gib
 
-COMMAND = "bin/bench scale"
 VOCAB = 256  # the stdlib bytes
 
 
@@ -59,6 +58,24 @@ class Shape:
     @property
     def ffn(self) -> int:
         return 4 * self.hidden
+
+    planned_at_a_batch = False  # the built-in GPT's activations are read off its shape
+
+    def build(self, device: torch.device, seed: int, cfg: dict | None = None) -> GPT:
+        """The built-in GPT at this shape in bf16, the same initial weights for every row (the same seed)."""
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = GPT(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                        seq_length=self.seq, vocab_size=self.vocab)  # fmt: skip
+        return model.to(torch.bfloat16)
+
+    def batches(self, tokens, micro_batch: int, seed: int) -> TokenBatches:
+        return TokenBatches(tokens, self.seq, micro_batch, seed)
+
+    def model_section(self) -> dict:
+        """The config's `model` keys describing this shape."""
+        return {"num_layers": self.layers, "hidden_size": self.hidden, "num_attention_heads": self.heads,
+                "seq_length": self.seq, "vocab_size": self.vocab}  # fmt: skip
 
     def params(self) -> int:
         """All parameters of the built-in GPT (engine/models/gpt.py) at this shape."""
@@ -88,69 +105,6 @@ FLOPs per token = 6*N + 12*L*h*s  (forward 2 per multiply-add, backward twice th
       The causal kernel computes about half of those scores; counted that way the term is 6*L*h*(s+1)"""
 
 
-@dataclass
-class Row:
-    name: str
-    layers: int
-    params: int
-    fraction: float | str  # "auto" until the row's engine resolves it
-    dpu: bool
-    pin: bool = False
-    iter_ms: float = 0.0
-    tokens_per_s: float = 0.0
-    tflops: float = 0.0
-    vs_fit: float | None = None
-    peak_gpu_bytes: int | None = None
-    host_engine_bytes: int = 0
-    host_rss_bytes: int = 0
-    cpu_step_ms: float | None = None
-    speculated_ms: float | None = None
-    guesses: str | None = None  # "committed/made" over the measured steps
-    gpu_wait_ms: float | None = None
-    exposed_ms: float | None = None
-    hidden_ms: float | None = None
-    overrides: dict = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
-    delayed_steps: list[int] = field(default_factory=list)
-    setup_s: float = 0.0
-    unavailable: str | None = None
-
-
-def _rss_bytes() -> int:
-    """The process's resident memory now (Linux); elsewhere its peak."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _config(a: argparse.Namespace, shape: Shape, fraction: float | str, dpu: bool, extra: dict | None = None,
-            pin: bool = False) -> dict:  # fmt: skip
-    offload = fraction == "auto" or fraction > 0
-    cfg = {
-        "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
-                  "seq_length": shape.seq, "vocab_size": shape.vocab},
-        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr,
-                      "lr_warmup_iters": min(a.lr_warmup, a.warmup + a.iters), "lr_decay_style": "constant",
-                      "weight_decay": 0.1, "adam_beta1": 0.9,
-                      "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
-                      "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
-                      "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
-                      "cpu_optimizer_threads": a.cpu_threads},
-        "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
-                  "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed,
-                  "device": a.device},
-        "logging": {"metrics_file": None, "progress_bar": False},
-    }  # fmt: skip
-    if dpu:  # a short warm-up: the measured iterations are delayed ones
-        cfg["optimizer"].update(delayed_param_update=True, delayed_param_update_warmup=a.dpu_warmup)
-    for path, value in {**a.set, **(extra or {})}.items():
-        ns, key = path.split(".", 1)
-        cfg.setdefault(ns, {})[key] = value
-    return cfg
-
-
 def _assignments(text: str, what: str) -> dict:
     """`key=value,key=value` (values JSON, else strings) -> {"namespace.key": value}."""
     out = {}
@@ -172,20 +126,11 @@ def _variant(text: str) -> tuple[str, dict]:
     return name, _assignments(rest, "--variant")
 
 
-def dpu_unavailable(a: argparse.Namespace, shape: Shape, fraction: float | str) -> str | None:
-    """Why this checkout cannot run the DPU row (the config's own message), or None when it can."""
-    try:
-        load_config(_config(a, shape, fraction, True))
-    except ConfigError as e:
-        return "; ".join(e.errors)
-    return None
-
-
 def plan_fraction(a: argparse.Namespace, shape: Shape) -> float:
     """The memory plan's fraction (optimizer_offload_fraction="auto") for the offloaded shape on this machine."""
     from engine.planning import plan
 
-    cfg = _config(a, shape, 0.3, False, {"optimizer.optimizer_offload_fraction": "auto"})
+    cfg = row_config(a, shape, 0.3, False, {"optimizer.optimizer_offload_fraction": "auto"})
     return float(plan(load_config(cfg)).fraction)
 
 
@@ -204,126 +149,17 @@ def resolve_fraction(a: argparse.Namespace, shape: Shape) -> float:
     return planned if a.fraction == "auto" else float(a.fraction)
 
 
-def _model(shape: Shape, device: torch.device, seed: int) -> GPT:
-    torch.manual_seed(seed)  # the same initial weights for the exact and the DPU row
-    with torch.device(device):
-        model = GPT(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                    seq_length=shape.seq, vocab_size=shape.vocab)  # fmt: skip
-    return model.to(torch.bfloat16)
-
-
-def _empty_caches() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        for name in ("_host_emptyCache", "_cuda_hostEmptyCache"):  # pinned blocks torch's host allocator keeps
-            if hasattr(torch._C, name):
-                getattr(torch._C, name)()
-                break
-
-
-def run_row(a: argparse.Namespace, name: str, shape: Shape, fraction: float | str, dpu: bool, tokens,
-            pin: bool = False, overrides: dict | None = None) -> Row:  # fmt: skip
-    """Train `shape` for warmup + iters steps through the engine, then free everything it built."""
-    from engine.engine import initialize
-
-    row = Row(name, shape.layers, shape.params(), fraction, dpu, pin, overrides=dict(overrides or {}))
-    device = torch.device(a.device)
-    t0 = time.perf_counter()
-    cfg = _config(a, shape, fraction, dpu, overrides, pin=pin)
-    if a.implementation == "megatron":  # megatron-core's GPTModel, built by the engine on the device in bf16
-        cfg["model"].update(implementation="megatron", use_te=a.te)
-        torch.manual_seed(a.seed)
-        eng, _, _ = initialize(config=cfg)
-    else:
-        eng, _, _ = initialize(model=_model(shape, device, a.seed), config=cfg)
-    row.setup_s = time.perf_counter() - t0
-    row.fraction = float(eng.config.optimizer.optimizer_offload_fraction)  # "auto" resolved by the plan
-    row.dpu = bool(eng.config.optimizer.delayed_param_update)
-    alive = weakref.ref(eng.module)
-    data = TokenBatches(tokens, shape.seq, a.micro_batch, a.seed)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, cpu_steps, rss = [], [], []
-    opt = eng.optimizer
-    for i in range(a.warmup + a.iters):
-        t = time.perf_counter()
-        row.losses.append(eng.train_batch(data))  # .item() of the loss: waits for the GPU's work, not the CPU step
-        times.append(time.perf_counter() - t)
-        rss.append(_rss_bytes())
-        if eng.last_step_delayed:
-            row.delayed_steps.append(eng.iteration)
-        timing = opt.cpu_step_timing()
-        if timing is not None and i > a.warmup:  # the previous step's, with this step's GPU waits for it
-            cpu_steps.append(timing)
-    eng.synchronize()
-    row.iter_ms = 1e3 * statistics.median(times[a.warmup :])
-    row.tokens_per_s = a.global_batch * shape.seq / (row.iter_ms / 1e3)
-    row.tflops = row.tokens_per_s * shape.flops_per_token()["total"] / 1e12
-    row.peak_gpu_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    row.host_engine_bytes = eng.host_bytes()
-    row.host_rss_bytes = max(rss)
-    if cpu_steps:
-        med = lambda key: 1e3 * statistics.median(t[key] for t in cpu_steps)  # noqa: E731
-        row.cpu_step_ms, row.speculated_ms, row.gpu_wait_ms = med("compute_s"), med("speculated_s"), med("gpu_wait_s")
-        row.guesses = f"{sum(t['committed'] for t in cpu_steps):.0f}/{sum(t['speculated'] for t in cpu_steps):.0f}"
-        row.hidden_ms = max(0.0, row.cpu_step_ms - row.gpu_wait_ms)
-    if hasattr(opt, "close"):
-        opt.close()  # its hooks on the model hold it, and its threads and host buffers
-    del eng, opt, data
-    _empty_caches()
-    if alive() is not None:
-        raise RuntimeError(f"{COMMAND}: the {name} model is still referenced after its run; the next would not fit")
-    return row
-
-
-def _hidden(rows: list[Row], fit: Row, fit_shape: Shape, shape: Shape) -> None:
-    scale = shape.flops_per_token()["total"] / fit_shape.flops_per_token()["total"]
-    for r in rows:
-        if r.unavailable:
-            continue
-        r.vs_fit = r.tflops / fit.tflops
-        if r.cpu_step_ms is not None:
-            r.exposed_ms = max(0.0, r.iter_ms - fit.iter_ms * scale)
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def table(rows: list[Row]) -> str:
-    out = ["| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit | peak GPU | host (engine) | host RSS "
-           "| CPU step | before clip (guesses used) | GPU waited | hidden | exposed | loss first -> last |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        f = f"{r.fraction:.2f}" if isinstance(r.fraction, float) else r.fraction
-        head = f"| {r.name} | {r.layers} | {_count(r.params)} | {f} |"
-        if r.unavailable:
-            out.append(f"{head} not available: {r.unavailable} |")
-            continue
-        ms = lambda x: "-" if x is None else f"{x:.0f} ms"  # noqa: E731
-        hid = ms(r.hidden_ms) + (f" ({r.hidden_ms / r.cpu_step_ms:.0%})" if r.hidden_ms is not None and
-                                 r.cpu_step_ms else "")  # fmt: skip
-        spec = "-" if r.speculated_ms is None else f"{r.speculated_ms:.0f} ms ({r.guesses})"
-        out.append(f"{head} {r.iter_ms:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.4g} | "
-                   f"{'-' if r.vs_fit is None else f'{r.vs_fit:.0%}'} | {_gib(r.peak_gpu_bytes)} | "
-                   f"{_gib(r.host_engine_bytes)} | {_gib(r.host_rss_bytes)} | {ms(r.cpu_step_ms)} | {spec} | "
-                   f"{ms(r.gpu_wait_ms)} | {hid} | {ms(r.exposed_ms)} | "
-                   f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f} |")  # fmt: skip
-    return "\n".join(out)
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    ap.add_argument("--layers-fit", type=int, default=16, help="depth of the twin that fits without offload")
-    ap.add_argument("--layers", type=int, default=40, help="depth that needs optimizer offload")
-    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--hf-config", default=None, metavar="PATH|NAME",
+                    help="a HF causal LM instead of the built-in GPT: a config.json (or its directory) or a named "
+                    f"shape ({hf_models.known()}); random weights, built on the device in bf16")  # fmt: skip
+    ap.add_argument("--layers-fit", type=int, default=None,
+                    help="depth of the twin that fits without offload (default 16; --hf-config: the deepest the "
+                    "plan fits without offload)")  # fmt: skip
+    ap.add_argument("--layers", default=None, help="depth that needs optimizer offload (default 40; --hf-config: "
+                    'the config\'s; "auto": the deepest at which every deep row\'s plan fits)')  # fmt: skip
+    ap.add_argument("--hidden", type=int, default=None, help="the built-in GPT's width (default 4096)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 128)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -344,7 +180,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--implementation", choices=["builtin", "megatron"], default="builtin",
                     help="model.implementation of every row: megatron builds megatron-core's GPTModel")  # fmt: skip
     ap.add_argument("--te", action="store_true", help="model.use_te=true (Transformer Engine layers; CUDA only)")
-    ap.add_argument("--rows", default="fit,exact,dpu", help="which rows to run, comma-separated")
+    ap.add_argument("--rows", default="fit,exact,dpu", help="which of fit,exact,dpu to run, comma-separated (may be "
+                    "empty: --fractions and --variant rows only)")  # fmt: skip
+    ap.add_argument(
+        "--fractions",
+        default="",
+        metavar="F[,F]",
+        help="one more exact row of the deep shape per fraction, named f=F (0: no optimizer offload)",
+    )
+    ap.add_argument("--gpu-memory", default=None, metavar="GIB", help="plan every row against this GPU budget")
+    ap.add_argument("--host-memory", default=None, metavar="GIB", help="plan every row against this host budget")
     ap.add_argument("--dpu-warmup", type=int, default=2, help="optimizer.delayed_param_update_warmup of the dpu row")
     ap.add_argument(
         "--pin-threads",
@@ -377,7 +222,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = parser().parse_args(argv)
     a.set = _assignments(",".join(a.set), "--set")
     a.variant = [_variant(v) for v in a.variant]
+    unknown = set(filter(None, a.rows.split(","))) - {"fit", "exact", "dpu"}
+    if unknown:
+        raise SystemExit(f"{COMMAND}: --rows {a.rows}: unknown {', '.join(sorted(unknown))}; rows are fit, exact, dpu")
+    a.fractions = [_number("--fractions", f, 0.0, 1.0) for f in filter(None, a.fractions.split(","))]
+    try:
+        a.gpu_memory = None if a.gpu_memory is None else parse_gib("--gpu-memory", a.gpu_memory)
+        a.host_memory = None if a.host_memory is None else parse_gib("--host-memory", a.host_memory)
+    except ValueError as e:
+        raise SystemExit(f"{COMMAND}: {e}") from None
+    if a.layers not in (None, "auto"):
+        a.layers = int(_number("--layers", a.layers, 1, None))
+    if a.hf_config is None:
+        if a.layers == "auto":
+            raise SystemExit(f'{COMMAND}: --layers auto: the plan picks the depth of a --hf-config model only; give '
+                             "the built-in GPT's depth as a number")  # fmt: skip
+        a.layers, a.layers_fit, a.hidden = a.layers or 40, a.layers_fit or 16, a.hidden or 4096
+    else:
+        given = [f for f, v in (("--hidden", a.hidden), ("--heads", a.heads), ("--te", a.te)) if v]
+        given += ["--implementation megatron"] if a.implementation == "megatron" else []
+        if given:
+            raise SystemExit(f"{COMMAND}: {', '.join(given)}: describe the built-in GPT, and --hf-config brings its "
+                             f"own shape; remove {', '.join(given)}")  # fmt: skip
     return a
+
+
+def _number(flag: str, text: str, lo: float, hi: float | None) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (lo <= value and (hi is None or value <= hi)):  # NaN fails too
+        bound = f"from {lo:g} to {hi:g}" if hi is not None else f"of at least {lo:g}"
+        raise SystemExit(f"{COMMAND}: {flag} {text}: expected a number {bound}")
+    return value
 
 
 def main(argv: list[str]) -> int:
@@ -385,7 +263,10 @@ def main(argv: list[str]) -> int:
     if a.device == "cuda" and (refusal := no_cuda(COMMAND)):  # before anything is read or built
         print(refusal, file=sys.stderr)
         return 2
-    variants = a.variant
+    if a.hf_config is not None:
+        from engine.bench import hf_scale
+
+        return hf_scale.main(a, argv)
     heads = a.heads or max(1, a.hidden // 128)
     fit_shape = Shape(a.layers_fit, a.hidden, heads, a.seq)
     shape = Shape(a.layers, a.hidden, heads, a.seq)
@@ -393,59 +274,13 @@ def main(argv: list[str]) -> int:
     if a.fraction == "auto":  # each row's plan decides (the delayed update's GPU shadow may need a larger fraction)
         fraction = "auto"
     tokens = stdlib_bytes(a.data_bytes)
-    fpt = shape.flops_per_token()
     device = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"{COMMAND}: hidden {a.hidden}, {heads} heads, seq {a.seq}, micro-batch {a.micro_batch}, global batch "
           f"{a.global_batch}, bf16 half weights, fp32 master + AdamW states; {a.warmup} warm-up + {a.iters} measured "
           f"iterations per row (median); {device}", flush=True)  # fmt: skip
-    wanted = set(a.rows.split(","))
-    rows: list[Row] = []
-    pin = a.pin_threads == "on"
-    plan = [("fit", fit_shape, 0.0, False, False), ("exact", shape, fraction, False, pin)]
-    if a.pin_threads == "both":
-        plan.append(("exact+pin", shape, fraction, False, True))
-    plan.append(("dpu", shape, fraction, True, pin))
-    plan = [(*p, {}) for p in plan if p[0].split("+")[0] in wanted]
-    plan += [(name, shape, fraction, False, pin, over) for name, over in variants]
-    for name, shp, f, dpu, pinned, over in plan:
-        why = dpu_unavailable(a, shp, f) if dpu else None
-        if why:
-            row = Row(name, shp.layers, shp.params(), f, dpu, pinned, unavailable=why)
-        else:
-            try:
-                row = run_row(a, name, shp, f, dpu, tokens, pin=pinned, overrides=over)
-            except (ConfigError, ValueError, torch.OutOfMemoryError) as e:  # the plan's refusal, or CUDA's
-                row = Row(name, shp.layers, shp.params(), f, dpu, pinned, overrides=over,
-                          unavailable=str(e).splitlines()[0])  # fmt: skip
-        if row.unavailable:
-            _empty_caches()  # after the except block: its traceback held the failed row's model
-            print(f"  {name}: not available: {row.unavailable}", flush=True)
-        else:
-            print(f"  done {name}: {row.iter_ms:.1f} ms/iter, setup {row.setup_s:.1f} s, "
-                  f"{len(row.delayed_steps)} delayed steps, losses "
-                  + " ".join(f"{x:.3f}" for x in row.losses), flush=True)  # fmt: skip
-        rows.append(row)
-    fit = next((r for r in rows if r.name == "fit"), None)
-    if fit is not None:
-        _hidden(rows, fit, fit_shape, shape)
-    print()
-    print(FORMULA)
-    for s in (fit_shape, shape):
-        f = s.flops_per_token()
-        print(f"  L={s.layers}: N={s.matmul_params():,} -> {f['dense']:.4g} + {f['attention']:.4g} = "
-              f"{f['total']:.4g} FLOPs/token (causal-counted: {f['causal_total']:.4g})")  # fmt: skip
-    print(
-        "hidden = CPU step - GPU waited (CUDA events at each CPU-stepped unit's wait); exposed = ms/iter - the fit "
-        f"row's ms/iter x the FLOP ratio ({fpt['total'] / fit_shape.flops_per_token()['total']:.3f})"
-    )
-    for name, over in variants:
-        print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in over.items()))
-    print()
-    print(table(rows))
-    print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"formula": FORMULA, "rows": [asdict(r) for r in rows], "argv": argv}, fh, indent=1)
+    fit = [("fit", fit_shape, 0.0, False, False, {})] if "fit" in a.rows.split(",") else []
+    rows = run_rows(a, fit + deep_rows(a, shape, fraction), tokens)
+    report(a, argv, rows, fit_shape, shape, FORMULA, COMMAND)
     return 0
 
 
