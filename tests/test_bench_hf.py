@@ -103,8 +103,8 @@ def test_the_twin_depth_is_the_deepest_whose_plan_fits():
     from engine.planning.auto import Planner
 
     p = planner(cfg, model, device="cuda", gpu_budget_bytes=huge, host_budget_bytes=huge, example_batch=batch)
-    per_layer = sum(x.n for n, x in p.census.named if p.census.layer_of[n] == 0) * p.settings.weight_elem
-    cut = Planner(p.cfg, p.census.truncated(2, per_layer), p.settings, cuda=True, gpu_budget=huge, host_budget=huge)
+    cut = Planner(p.cfg, p.census.truncated(2, p.settings.weight_elem), p.settings, cuda=True, gpu_budget=huge,
+                  host_budget=huge)  # fmt: skip
     assert cut.evaluate(0.0, 0).gpu.total_bytes == pytest.approx(two, rel=1e-3)
 
 

@@ -27,7 +27,7 @@ from engine.bench import hf_models
 from engine.bench.scale_rows import report
 from engine.bench.scale_run import COMMAND, budgets, deep_rows, empty_caches, row_config, run_rows
 from engine.data import TokenBatches, stdlib_bytes
-from engine.planning import planner
+from engine.planning import planner, resolve
 from engine.planning.auto import NothingFits, Planner
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,19 +78,14 @@ def depth_bound(a: argparse.Namespace, cfg: dict, model: nn.Module, batch: Any) 
     p = planner(cfg, model, gpu_budget_bytes=b.gpu_bytes, host_budget_bytes=b.host_bytes, device=a.device,
                 example_batch=batch)  # fmt: skip
     census = p.census
-    per_layer = sum(x.n for n, x in census.named if census.layer_of[n] == 0) * p.settings.weight_elem
-    fraction, layers = p.cfg.optimizer.optimizer_offload_fraction, p.cfg.model.cpu_offloading_num_layers
-    if not p.cfg.model.cpu_offloading:
-        layers = 0
 
     def fits(depth: int) -> bool:
-        trial = Planner(p.cfg, census.truncated(depth, per_layer), p.settings, cuda=p.cuda,
+        trial = Planner(p.cfg, census.truncated(depth, p.settings.weight_elem), p.settings, cuda=p.cuda,
                         gpu_budget=p.gpu_budget, host_budget=p.host_budget)  # fmt: skip
         try:
-            trial.resolve(fraction, layers if layers == "auto" else min(int(layers), max(0, depth - 1)), hint=False)
+            return resolve(trial).fits  # the config's values, its "auto" ones chosen, as initialize would
         except NothingFits:
             return False
-        return True
 
     lo, hi = 0, census.n_layers
     while lo < hi:
