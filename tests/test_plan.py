@@ -14,11 +14,12 @@ import engine
 from engine import offload
 from engine.config import load_config
 from engine.models.gpt import GPT, gpt_loss
+from engine.offload.pool import host_buffer_bytes
 from engine.optim import HybridDeviceOptimizer, HybridOptions
 from engine.planning import planner, resolve
 from engine.planning.activations import gpt_activations
 from engine.planning.auto import NothingFits
-from engine.planning.memory import GPU_MARGIN_FIXED, GPU_MARGIN_FRACTION, HOST_RUNTIME_CUDA, pool_bytes
+from engine.planning.memory import GPU_MARGIN_FIXED, GPU_MARGIN_FRACTION, HOST_RUNTIME_CUDA
 
 GIB = 1 << 30
 
@@ -218,9 +219,55 @@ def test_activation_pool_equals_the_offload_pools_allocation(k):
 
 
 def test_pinned_pool_rounds_to_powers_of_two():
-    assert pool_bytes(1000, pinned=False) == 1024
-    assert pool_bytes(80 << 20, pinned=False) == 80 << 20
-    assert pool_bytes(80 << 20, pinned=True) == 128 << 20  # torch's pinned allocator: next power of two
+    assert host_buffer_bytes(1000, pinned=False) == 1024
+    assert host_buffer_bytes(80 << 20, pinned=False) == 80 << 20
+    assert host_buffer_bytes(80 << 20, pinned=True) == 128 << 20  # torch's pinned allocator: next power of two
+
+
+@pytest.mark.parametrize(("k", "double_buffering"), [(1, False), (2, False), (3, False), (2, True)])
+def test_reload_lookahead_and_slabs_are_what_the_offload_session_uses(monkeypatch, k, double_buffering):
+    """The plan's reload window and double-buffer bytes come from engine.offload (reload_lookahead,
+    double_buffer_bytes); here they are held equal to the session's lookahead and to the slabs it allocates."""
+    from engine.offload.api import reload_lookahead
+    from engine.offload.groups import RELOADING
+    from engine.offload.session import DoubleBuffer, double_buffer_bytes
+
+    slabs = []
+    take = DoubleBuffer.take
+
+    def recording(self, group):
+        out = take(self, group)
+        slabs.append(sum(t.numel() for t in self.slabs if t is not None))
+        return out
+
+    monkeypatch.setattr(DoubleBuffer, "take", recording)
+    torch.manual_seed(0)
+    model = GPT(num_layers=5, hidden_size=100, num_attention_heads=4, seq_length=129, vocab_size=256)
+    handle = offload.apply_activation_offloading(model, k, double_buffering=double_buffering)
+    assert handle.session.lookahead == reload_lookahead(5, k, double_buffering=double_buffering)
+    tokens = torch.randint(0, 256, (4, 129))
+    sizes = []
+    group_init = offload.groups.Group.reload
+
+    live = []  # groups back on the device (reloaded, not yet used up) at each reload: the plan's window
+
+    def sizes_of(self, dests):
+        sizes.append([st.nbytes for st in self.stashes])
+        chain = self.session.chain.groups
+        live.append(1 + sum(1 for r in chain if r is not None and r() is not None and r().state == RELOADING))
+        return group_init(self, dests)
+
+    monkeypatch.setattr(offload.groups.Group, "reload", sizes_of)
+    gpt_loss(model(tokens), tokens).backward()
+    assert len(sizes) == k
+    assert max(live) == min(k, 1 + reload_lookahead(5, k, double_buffering=double_buffering))
+    if double_buffering:
+        assert max(slabs) == double_buffer_bytes(sizes) > 0
+    fine = offload.apply_fine_grained_offloading(GPT(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                     seq_length=32, vocab_size=256), ["mlp"])  # fmt: skip
+    assert fine.session.lookahead == reload_lookahead(2, 2, fine_grained=True) == 1
+    handle.remove()
+    fine.remove()
 
 
 # --- a user's model ----------------------------------------------------------------------------------------------

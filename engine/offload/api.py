@@ -16,6 +16,17 @@ from engine.offload.wrap import OffloadHandle
 DEFAULT_MIN_BYTES = 64 * 1024
 
 
+def reload_lookahead(units: int, offloaded: int, *, double_buffering: bool = False, fine_grained: bool = False) -> int:
+    """How many offloaded units backward reloads ahead of the one it computes (the memory plan calls this).
+
+    Double buffering and fine-grained offloading: one (two slabs; one sub-module's group at a time). Otherwise
+    as many as the non-offloaded units minus the one computing, so the reloaded units never hold more than the
+    non-offloaded ones held at the end of forward."""
+    if double_buffering or fine_grained:
+        return 1
+    return max(1, units - offloaded - 1)
+
+
 def apply_activation_offloading(
     model: nn.Module,
     num_layers: int,
@@ -46,12 +57,9 @@ def apply_activation_offloading(
     paths = [p for p, stack in stacks for _ in stack]
     if num_layers == 0:
         return OffloadHandle(None, [], paths)
-    # reloads ahead of need: as many layers as the non-offloaded ones minus the one computing, so the
-    # reloaded layers never hold more than what the non-offloaded layers held at the end of forward
-    lookahead = max(1, n - num_layers - 1)
     session = OffloadSession(
         model, n, activations=activations, weights=weights, double_buffering=double_buffering,
-        lookahead=lookahead, min_bytes=min_bytes,
+        lookahead=reload_lookahead(n, num_layers, double_buffering=double_buffering), min_bytes=min_bytes,
     )  # fmt: skip
     handle = OffloadHandle(session, list(layers[:num_layers]), paths)
     for i, layer in enumerate(layers):
@@ -91,8 +99,8 @@ def apply_fine_grained_offloading(
             f"its sub-modules are {names}"
         )
     session = OffloadSession(
-        model, len(chosen), activations=True, weights=False, double_buffering=False, lookahead=1,
-        min_bytes=min_bytes,
+        model, len(chosen), activations=True, weights=False, double_buffering=False,
+        lookahead=reload_lookahead(len(chosen), len(chosen), fine_grained=True), min_bytes=min_bytes,
     )  # fmt: skip
     handle = OffloadHandle(session, chosen, [p for p, _ in found])
     for i, m in enumerate(chosen):

@@ -18,6 +18,13 @@ def round_up(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def host_buffer_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes `HostPool.lease(nbytes)` allocates (the memory plan's activation pool is their sum): the
+    512-byte rounding, and for a pinned buffer torch's pinned allocator's rounding up to a power of two."""
+    size = round_up(nbytes)
+    return 1 << (size - 1).bit_length() if pinned and size else size
+
+
 @dataclass(eq=False)
 class HostBuffer:
     data: torch.Tensor  # uint8 [capacity] on the host

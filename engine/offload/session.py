@@ -40,6 +40,17 @@ class Chain:
         return ref() if ref is not None else None
 
 
+def slab_bytes(stash_sizes: list[int]) -> int:
+    """Device bytes one double-buffer slab needs to take a group of stashes of these sizes."""
+    return sum(round_up(n) for n in stash_sizes)
+
+
+def double_buffer_bytes(groups: list[list[int]]) -> int:
+    """Device bytes of the two slabs once every group (its stash sizes) was reloaded: each grows to the largest
+    group and is reused by every reload of one backward (the memory plan calls this)."""
+    return 2 * max((slab_bytes(g) for g in groups if g), default=0)
+
+
 class DoubleBuffer:
     """Two device slabs used alternately by successive reloads (fewer allocations, no fragmentation)."""
 
@@ -60,9 +71,10 @@ class DoubleBuffer:
         if owner is not None and owner.state != DONE:
             return None  # its last occupant is still in use (an unusual backward order): allocate instead
         sizes = [round_up(st.nbytes) for st in group.stashes]
-        if self.slabs[p] is None or self.slabs[p].numel() < sum(sizes):
+        need = slab_bytes([st.nbytes for st in group.stashes])
+        if self.slabs[p] is None or self.slabs[p].numel() < need:
             self.slabs[p] = None  # grows to the largest group, then is reused by every reload of this backward
-            self.slabs[p] = self.transfers.alloc(sum(sizes))
+            self.slabs[p] = self.transfers.alloc(need)
         self.owners[p] = weakref.ref(group)
         self.served += 1
         out, offset = [], 0
@@ -91,7 +103,7 @@ class OffloadSession:
         self.n_units = n_units
         self.activations, self.weights = activations, weights
         self.min_bytes = min_bytes
-        self.lookahead = 1 if double_buffering else max(1, lookahead)
+        self.lookahead = lookahead
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from engine.config import Config, load_config
+from engine.offload.api import DEFAULT_MIN_BYTES
 from engine.planning import budget
 from engine.planning.auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
 from engine.planning.census import builtin_census, model_census
-from engine.planning.memory import DEFAULT_MIN_BYTES, DevicePlan, Plan, settings_of
+from engine.planning.memory import DevicePlan, Plan, settings_of
 
 __all__ = ["DevicePlan", "NothingFits", "Plan", "format_plan", "plan", "planner"]
 

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import Config
+from engine.offload.api import DEFAULT_MIN_BYTES, reload_lookahead
+from engine.offload.pool import host_buffer_bytes
+from engine.offload.session import double_buffer_bytes
 from engine.optim.delayed import shadow_gpu_bytes
 from engine.optim.distributed import partition
 from engine.optim.gpu_assist import assist_gpu_bytes
@@ -43,8 +46,6 @@ HOST_RUNTIME_CUDA = 3 * GIB // 2  # python, torch, the CUDA libraries and the dr
 # peak RSS measured on the H200 for a process that trains a model with nothing offloaded (docs/BENCHMARKS.md)
 HOST_RUNTIME_CPU = GIB // 2
 HOST_MARGIN_FRACTION = 0.02  # malloc and page rounding
-POOL_ALIGN = 512  # engine.offload.pool rounds every host buffer up to this
-DEFAULT_MIN_BYTES = 64 * 1024  # engine.offload.DEFAULT_MIN_BYTES: smaller saved storages stay on the device
 
 GPU_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "activations_outside_layers",
              "activation_offload_buffers", "logits_and_loss", "backward_working", "optimizer_step_staging",
@@ -183,13 +184,6 @@ class Plan:
         }  # fmt: skip
 
 
-def pool_bytes(nbytes: int, pinned: bool) -> int:
-    """Host bytes the activation pool allocates for one stash: rounded to 512 B, and torch's pinned allocator
-    (engine.offload.pool takes pinned buffers from it) rounds each request up to a power of two."""
-    size = -(-nbytes // POOL_ALIGN) * POOL_ALIGN
-    return 1 << (size - 1).bit_length() if pinned and size else size
-
-
 def _selected(owners: tuple[tuple[str, str], ...], selectors: tuple[str, ...]) -> bool:
     return any(path in selectors or cls in selectors for path, cls in owners)
 
@@ -271,7 +265,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
         dev.append(seen[key][0])
         moved.append(seen[key][1])
     moved_total = [sum(x) for x in moved]
-    slab = max((sum(-(-x // POOL_ALIGN) * POOL_ALIGN for x in m) for m in moved), default=0)
+    slabs = double_buffer_bytes(list({id(m): m for m in moved}.values()))  # layers share their lists
     n_moving = sum(1 for x in moved_total if x)
     head = sum(e.nbytes for e in acts.head)
     head_kept = sum(e.nbytes for e in acts.head if e.what in ("tokens", "positions"))
@@ -300,7 +294,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     # backward, layer by layer from the last: names of the output side are done first, the input side's last
     delta = [added(i) for i in range(c.n_layers)]  # per layer: what its gradients add once they exist
     grads_now = grads_before + added("output")  # the output side's backward comes first
-    lookahead = 1 if s.double_buffering or s.fine_grained else max(1, c.n_layers - k - 1)
+    lookahead = reload_lookahead(c.n_layers, k, double_buffering=s.double_buffering, fine_grained=bool(s.fine_grained))
     dev_below = [0] * (c.n_layers + 1)
     for i, d in enumerate(dev):
         dev_below[i + 1] = dev_below[i] + d
@@ -309,7 +303,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     for i in reversed(range(c.n_layers)):
         grads_now += delta[i]  # layer i's weight gradients appear during its backward
         if s.double_buffering:
-            reload = 2 * slab if any(moved_total[: i + 1]) else 0
+            reload = slabs if any(moved_total[: i + 1]) else 0
         else:
             reload = sum(moved_total[max(0, i - lookahead) : i + 1])
         ph = {**persistent, "gradients": grads_now, "activations": dev_below[i + 1],
@@ -355,7 +349,7 @@ def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int,
                                         exp_avg_sq_bytes=s.moment_bytes[1], remainders=s.remainders)  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},
-                "activation_pool": sum(pool_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip
+                "activation_pool": sum(host_buffer_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip
     if not cuda:
         training["device_memory"] = gpu.total_bytes  # a CPU run: the "device" is this host
     # construction: the built-in GPT is allocated on the device in its final dtype (engine.build), so the host
