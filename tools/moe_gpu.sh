@@ -11,6 +11,7 @@
 # 100%; 50% interpolated on its linear scaling). TFLOP/s count the active parameters (an expert weight at 8/128).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
 #   tools/moe_gpu.sh .whl
+# LAYERS=N runs every row at N layers instead (a row the plan refuses there is a row saying why).
 # CPU dry run of the script itself (a tiny Qwen3-MoE from a config.json, 2 iterations a row): MOE_TINY=1 tools/moe_gpu.sh none
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,7 +28,7 @@ else
   ARGS="--hf-config qwen3-30b-a3b --seq 4096 --micro-batch 1 --global-batch 8 --iters 3 --warmup 2"
   LIMIT=450
 fi
-COMMAND="bin/bench scale $ARGS --layers auto --rows= --fractions 0,0.25,0.5,1 --json $OUT/moe.json"
+COMMAND="bin/bench scale $ARGS --layers ${LAYERS:-auto} --rows= --fractions 0,0.25,0.5,1 --json $OUT/moe.json"
 echo "=== $COMMAND"
 timeout "$LIMIT" python3 $COMMAND 2>&1 | tee "$OUT/moe.log" | grep -v '^|'
 python3 - "$OUT/moe.json" "$COMMAND" <<'PY'
@@ -36,7 +37,13 @@ from pathlib import Path
 path, command = Path(sys.argv[1]), sys.argv[2]
 if not path.exists():
     sys.exit(f"no {path}: the bench did not finish; see moe.log")
-rows = json.loads(path.read_text())["rows"]
+result = json.loads(path.read_text())
+rows, bounds = result["rows"], result.get("depth_bounds")
+if bounds:
+    depth = min(bounds.values())
+    binding = [n for n, d in bounds.items() if d == depth]
+    print(f"\nthe plan's deepest fit per row: {', '.join(f'{n}: {d}' for n, d in bounds.items())} layers; every row "
+          f"runs at {depth} layers, the bound of {', '.join(binding)}")
 seed = {0.0: "1.0x", 0.25: "~1.9x", 0.5: "~2.7x (interpolated)", 1.0: "~4.2x"}
 base = next((r for r in rows if r["fraction"] == 0.0 and not r["unavailable"]), None)
 g = lambda b: "-" if b is None else f"{b / 2**30:.1f}"

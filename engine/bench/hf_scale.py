@@ -111,6 +111,7 @@ def plan_depths(a: argparse.Namespace, probe: HFShape, deep: list[tuple], tokens
             bounds = {name: depth_bound(a, row_config(a, probe, f, dpu, over, pin), model, batch)
                       for name, _, f, dpu, pin, over in deep}  # fmt: skip
             deep_layers = min(bounds.values(), default=probe.layers)
+            a.depth_bounds = bounds  # for --json
             print(f"--layers auto: the plan fits, of {probe.layers} layers, "
                   + ", ".join(f"{n}: {d}" for n, d in bounds.items())
                   + f"; every deep row runs at {deep_layers} (the fewest)", flush=True)  # fmt: skip

@@ -103,4 +103,5 @@ def report(a: argparse.Namespace, argv: list[str], rows: list[Row], fit_shape, s
     print(f"\ncommand: {command} {' '.join(argv)}".rstrip())
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"formula": formula, "rows": [asdict(r) for r in rows], "argv": argv}, fh, indent=1)
+            json.dump({"formula": formula, "rows": [asdict(r) for r in rows], "argv": argv,
+                       "depth_bounds": getattr(a, "depth_bounds", None)}, fh, indent=1)  # fmt: skip
