@@ -8,7 +8,7 @@ from engine.bench import scale, scale_run
 from engine.models.gpt import GPT
 
 TINY = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2",
-        "--iters", "2", "--warmup", "1", "--data-bytes", "100000", "--device", "cpu"]  # fmt: skip
+        "--iters", "2", "--warmup", "1", "--data-bytes", "100000", "--device", "cpu", "--lr-warmup", "3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("layers,hidden,seq", [(2, 64, 32), (3, 128, 16)])

@@ -584,9 +584,11 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
     ],
     # fires only where tensorboard does not import: tests/test_reliability.py hides it and checks the message
     "_tensorboard_installed": [],
-    "_warmup_within_training": [
+    "_warmup_within_the_schedule": [
         (["optimizer.lr_warmup_iters=101"], 1,
          r"optimizer\.lr_warmup_iters=101: must be <= train\.train_iters \(100\)"),
+        (["optimizer.lr_warmup_iters=2001", "optimizer.lr_decay_iters=2000"], 1,
+         r"optimizer\.lr_warmup_iters=2001: must be <= optimizer\.lr_decay_iters \(2000\)"),
     ],
 }  # fmt: skip
 
@@ -619,6 +621,7 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["train.precision=fp16", "train.loss_scale=1024", "train.loss_scale_window=10"], 1, "fp16"),
     (["train.params_dtype=half", "train.precision=fp16"], 1, "half weights need"),
     (["optimizer.lr_warmup_iters=100"], 1, "lr_warmup_iters"),
+    (["optimizer.lr_warmup_iters=2000", "optimizer.lr_decay_iters=20000"], 1, "lr_warmup_iters"),  # a run's start
     (["data.source=tokens", "data.path=x", "data.token_dtype=int32"], 1, "is read only by"),
     (["checkpoint.save=x", "checkpoint.keep_last=2", "checkpoint.save_interval=5"], 1, "acts only with"),
     (["checkpoint.load=x", "checkpoint.load_if_exists=true"], 1, "acts only with"),

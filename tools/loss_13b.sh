@@ -9,7 +9,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; ITERS=${2:-10}
 source "$(dirname "$0")/device_env.sh" "$WHL"
-ARGS=(configs/13b-h200.json "train.train_iters=$ITERS" "logging.metrics_file=$OUT/metrics.jsonl" logging.progress_bar=false)
+CONFIG=${CONFIG:-configs/13b-h200.json}  # or another shipped recipe, e.g. configs/17b-h200-bf16-states.json
+ARGS=("$CONFIG" "train.train_iters=$ITERS" "logging.metrics_file=$OUT/metrics.jsonl" logging.progress_bar=false)
 if [ -n "${LOSS_13B_TINY:-}" ]; then
   ARGS+=(model.num_layers=2 model.hidden_size=64 model.num_attention_heads=2 model.seq_length=64 train.device=cpu
          train.global_batch_size=4 data.max_bytes=1048576)
@@ -24,4 +25,4 @@ for r in rows:
 first, last = rows[0]["loss"], rows[-1]["loss"]
 print(f"loss {first:.4f} -> {last:.4f} ({100 * (last - first) / first:+.1f}%): {'falls' if last < first else 'RISES'}")
 PY
-echo "command: tools/loss_13b.sh $WHL $ITERS"
+echo "command: CONFIG=$CONFIG tools/loss_13b.sh $WHL $ITERS"

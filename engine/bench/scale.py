@@ -172,8 +172,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=10, help="measured iterations per row")
     ap.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--lr-warmup", type=int, default=10, help="linear warm-up steps (a first step at the full lr "
-                    "moves a wide model's weights too far at once: the loss rises)")  # fmt: skip
+    ap.add_argument("--lr-warmup", type=int, default=2000, help="linear warm-up steps of the schedule the rows "
+                    "start (a wide random-init model's loss rises under Adam's first steps at 1e-5)")  # fmt: skip
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: tiny shapes only (tests)")

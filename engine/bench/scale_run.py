@@ -41,7 +41,8 @@ def row_config(a: argparse.Namespace, shape, fraction: float | str, dpu: bool, e
     cfg = {
         "model": shape.model_section(),  # a HF shape: none (the model brings its own)
         "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr,
-                      "lr_warmup_iters": min(a.lr_warmup, a.warmup + a.iters), "lr_decay_style": "constant",
+                      "lr_warmup_iters": a.lr_warmup, "lr_decay_iters": max(a.lr_warmup, 1),
+                      "lr_decay_style": "constant",
                       "weight_decay": 0.1, "adam_beta1": 0.9,
                       "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
                       "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,

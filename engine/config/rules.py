@@ -416,12 +416,18 @@ def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
                       'Transformer Engine layers; set model.recompute_granularity="full" or null')  # fmt: skip
 
 
-@_rule("optimizer.lr_warmup_iters", "train.train_iters")
-def _warmup_within_training(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
-    if c.optimizer.lr_warmup_iters > c.train.train_iters:
+@_rule("optimizer.lr_warmup_iters", "optimizer.lr_decay_iters", "train.train_iters")
+def _warmup_within_the_schedule(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    # Megatron's rule: the warm-up lies within the schedule (lr_decay_iters, else train_iters), so a short run
+    # may be the start of a longer schedule (train_iters=20 of a 20,000-iteration one, still warming up)
+    o = c.optimizer
+    limit, key = (o.lr_decay_iters, "optimizer.lr_decay_iters") if o.lr_decay_iters else (
+        c.train.train_iters, "train.train_iters")  # fmt: skip
+    if o.lr_warmup_iters > limit:
         yield Problem(
             "optimizer.lr_warmup_iters",
-            f"must be <= train.train_iters ({c.train.train_iters}); lower optimizer.lr_warmup_iters",
+            f"must be <= {key} ({limit}); lower optimizer.lr_warmup_iters, or set optimizer.lr_decay_iters to "
+            "the schedule's length",
         )
 
 
