@@ -37,14 +37,16 @@ def test_the_c_pass_builds_here():
     assert fused_kernel.status().startswith("compiled C pass")
 
 
-def test_ctypes_signature_equals_the_c_prototype():
+@pytest.mark.parametrize(("entry", "argtypes"), [("fused_adamw_f32", fused_kernel.ARGTYPES),
+                                                 ("fused_adamw_narrow", fused_kernel.NARROW_ARGTYPES)])  # fmt: skip
+def test_ctypes_signature_equals_the_c_prototype(entry, argtypes):
     src = fused_kernel._SRC.read_text()
-    params = re.search(r"\bint fused_adamw_f32\(([^)]*)\)", src).group(1)
+    params = re.search(rf"\bint {entry}\(([^)]*)\)", src).group(1)
     expected = []
     for param in params.split(","):
         words = param.replace("restrict", "").split()
         expected.append(ctypes.c_void_p if "*" in param else C_TYPES[words[-2]])
-    assert fused_kernel.ARGTYPES == expected
+    assert argtypes == expected
 
 
 def test_cache_key_follows_source_flags_compiler_and_cpu_not_the_host(monkeypatch):
@@ -109,3 +111,18 @@ def test_bench_cpass_rows(tmp_path):
     assert have >= {(p, w) for p in ("torch", "c", "torch-ops") for w in ("in place", "out of place")}
     assert all(r["gparams_s"] > 0 for r in rows)
     assert torch.get_num_threads() == threads  # left as found: later in-process runs compute as before
+    forms = json.loads(out.read_text())["forms"]
+    assert {(r["form"], r["path"]) for r in forms} >= {(f, "torch-ops") for f in cpass.FORMS}
+    by_form = {r["form"]: r["bytes_per_param"] for r in forms}
+    assert by_form == {"fp32": 28, "bf16-m/v": 20, "fp16-m/v": 20, "fp32-m/v+remainder": 26, "bf16-m/v+remainder": 18}
+    for r in forms:
+        assert r["gbs"] == pytest.approx(r["bytes_per_param"] * 70000 / r["s"] / 1e9) and r["floor_gbs"] > 0
+
+
+def test_pass_bytes_by_hand():
+    """What each pass moves per parameter, counted from the C loop's loads and stores."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert fused_kernel.pass_bytes(f32, f32, bf16, bf16, False) == 2 + 2 * 12 + 2  # the C source's 28
+    assert fused_kernel.pass_bytes(f32, f32, f32, None, False) == 4 + 2 * 12  # fp32 weights: no half copy
+    assert fused_kernel.pass_bytes(bf16, f16, bf16, bf16, False) == 2 + 2 * 8 + 2
+    assert fused_kernel.pass_bytes(bf16, bf16, bf16, bf16, True) == 2 + 2 * (2 + 2 + 4)  # weight+remainder

@@ -219,3 +219,33 @@ def test_config_refusals_in_one_line(over):
         load_config({}, overrides=over)
     msg = str(e.value).strip()
     assert "optimizer.store_param_remainders" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("form", ["fp32", "bf16-m/v+remainder"])
+def test_bench_optimizer_row_states_its_bytes(monkeypatch, form):
+    """bin/bench optimizer's run of ours with a state form, on the CPU (its CUDA calls made no-ops): the form
+    reaches the optimizer and the row carries the pass's bytes per CPU-stepped parameter."""
+    import types
+
+    from engine.bench import optimizer as bench
+
+    for fn in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    built, real_build = [], bench._build
+
+    def spy(*args):
+        opt, step = real_build(*args)
+        built.append(opt)
+        return opt, step
+
+    monkeypatch.setattr(bench, "_build", spy)
+
+    model = tiny_gpt(dtype=torch.bfloat16)
+    a = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, cpu_threads=1, clip_grad=1.0, warmup=1)
+    data = [t for (t,) in batches(4, 1)]
+    r = bench._run("ours", 0.5, model, {k: v.clone() for k, v in model.state_dict().items()}, data, a, form)
+    assert built[0].options.store_param_remainders is (form != "fp32")
+    assert r["cpu_params"] == sum(dict(model.named_parameters())[n].numel() for n in built[0].cpu_names) > 0
+    assert r["pass_bytes"] == (28 if form == "fp32" else 18)
+    assert bench._dram(r, 10.0).startswith(f"{r['pass_bytes']} B, ")

@@ -9,6 +9,11 @@ new banks and keeps the old ones) torch first copies p, m and v into the new ban
 Rows: G params/s per call (median of --reps after one warm-up), at --threads threads for both (the
 engine's default: the cores this process may use, minus one); torch also at all cores; the torch-ops
 path the engine falls back to where the C pass does not build. Needs no GPU.
+
+Then the state forms (--forms): fp32, bf16/fp16 moments, the remainder master (store_param_remainders), each
+stepped in place by the C pass and by the torch-ops fallback, with the bytes per parameter the pass moves
+through host memory (fused_kernel.pass_bytes), the GB/s that makes, and the DRAM floor measured in the same
+run: a torch copy moving the same bytes (half read, half written) at the same threads.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.optim import fused_kernel
+from engine.optim import fused_kernel, remainder
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import FusedAdamW, TensorStep
 from engine.optim.hybrid import default_cpu_threads
@@ -126,21 +131,93 @@ def _measure(numel: int, threads: int, reps: int) -> list[dict]:
     return rows
 
 
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+FORMS = {  # name -> (exp_avg dtype, exp_avg_sq dtype, remainder master)
+    "fp32": (F32, F32, False),
+    "bf16-m/v": (BF16, BF16, False),
+    "fp16-m/v": (F16, F16, False),
+    "fp32-m/v+remainder": (F32, F32, True),
+    "bf16-m/v+remainder": (BF16, BF16, True),
+}
+
+
+def dram_floor_gbs(nbytes: int, threads: int, reps: int) -> float:
+    """GB/s of a torch copy that moves nbytes through host memory (nbytes/2 read, nbytes/2 written)."""
+    src = torch.ones(max(1, nbytes // 2), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    torch.set_num_threads(threads)
+    return 2 * src.numel() / _median_s(lambda: dst.copy_(src), reps) / 1e9
+
+
+def measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list[dict]:
+    """One in-place step per form and path: bytes per parameter, GB/s and the copy floor of the same bytes."""
+    before = torch.get_num_threads()
+    try:
+        return _measure_forms(numel, threads, reps, forms)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    grad16 = torch.randn(numel, generator=g).bfloat16()
+    scalars = adamw_scalars(HYPER, 2, 1.0, 1.0)
+    lib = fused_kernel.load()
+    rows = []
+    for form in forms:
+        m_dtype, v_dtype, rem = FORMS[form]
+        p = torch.randn(numel, generator=g)
+        m = torch.randn(numel, generator=g).mul_(1e-3).to(m_dtype)
+        v = torch.rand(numel, generator=g).mul_(1e-6).to(v_dtype)
+        if rem:
+            w, r = remainder.split(p)
+            step = [TensorStep(w, m, v, grad16, w, m, v, None, scalars, r, r)]
+        else:
+            half = torch.empty(numel, dtype=torch.bfloat16)
+            step = [TensorStep(p, m, v, grad16, p, m, v, half, scalars)]
+        nbytes = fused_kernel.pass_bytes(m_dtype, v_dtype, grad16.dtype, None if rem else torch.bfloat16, rem)
+        floor = dram_floor_gbs(nbytes * numel, threads, reps)
+        for path, lib_ in (("c", lib), ("torch-ops", None)):
+            if path == "c" and lib is None:
+                continue
+            arith = FusedAdamW(lib_, threads, host=None, group_of={})
+            torch.set_num_threads(threads)
+            sec = _median_s(lambda a=arith, s=step: a.step(s), reps)
+            arith.close()
+            gbs = nbytes * numel / sec / 1e9
+            rows.append({"form": form, "path": path, "bytes_per_param": nbytes, "s": sec,
+                         "gparams_s": numel / sec / 1e9, "gbs": gbs, "floor_gbs": floor})  # fmt: skip
+    print(f"\n| state form | path | B/param through DRAM | G params/s | GB/s | DRAM floor GB/s (torch copy, same "
+          f"bytes, {threads} threads) | of floor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['form']} | {r['path']} | {r['bytes_per_param']} | {r['gparams_s']:.2f} | {r['gbs']:.1f} | "
+              f"{r['floor_gbs']:.1f} | {r['gbs'] / r['floor_gbs']:.0%} |")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=200_000_000, help="parameters per call (one flat tensor)")
     ap.add_argument("--threads", type=int, default=None, help="default: the engine's (usable cores minus one)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--forms", default=",".join(FORMS), help=f"state forms to step ({', '.join(FORMS)}; '' none)")
     a = ap.parse_args(argv)
+    forms = [f for f in a.forms.split(",") if f]
+    if bad := [f for f in forms if f not in FORMS]:
+        print(f"{COMMAND}: --forms {bad[0]!r} is not a state form; use some of {', '.join(FORMS)}", file=sys.stderr)
+        return 2
     threads = a.threads or default_cpu_threads()
     print(f"{COMMAND}: {a.numel / 1e6:.0f} M parameters per call, torch {torch.__version__}, "
           f"{os.cpu_count()} cores, C pass: {fused_kernel.status()}")  # fmt: skip
     rows = measure(a.numel, threads, a.reps)
+    form_rows = measure_forms(a.numel, threads, a.reps, forms)
     print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "numel": a.numel, "rows": rows}, f, indent=1)
+            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "numel": a.numel, "rows": rows,
+                       "forms": form_rows}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -7,6 +7,11 @@ sides with fused=True, param_update_in_fp32=True, overlap on. Prints one table: 
 (forward + backward + clip + step), that time over ours at f=0, peak GPU memory, the CPU step time,
 the loss difference from ours at f=0, and how many measured steps were clipped.
 
+--forms adds our rows with narrow CPU-side states (bin/bench cpass's forms: bf16/fp16 moments, the remainder
+master) at each fraction above 0; every row of ours states the CPU step's bytes per parameter through host
+memory (fused_kernel.pass_bytes) and the GB/s reached, against the DRAM floor measured in the same run (a torch
+copy of the same bytes, bin/bench cpass's).
+
 Data: `--data stdlib` (default) trains on the bytes of Python's standard library sources (vocab 256),
 so the loss falls and gradient norms behave as in real training; `--data random` draws uniform
 tokens, on which this model is unstable (loss spikes, gradient norms up to hundreds, every step
@@ -24,9 +29,12 @@ import time
 import torch
 
 from engine.bench import no_cuda
+from engine.bench.cpass import FORMS, dram_floor_gbs
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions
+from engine.optim.fused_kernel import pass_bytes
+from engine.optim.hybrid import default_cpu_threads
 from engine.optim.param_groups import named_parameter_groups
 
 COMMAND = "bin/bench optimizer"
@@ -47,14 +55,17 @@ def _groups(model: torch.nn.Module, wd: float, named: bool) -> list[dict]:
     return named_parameter_groups(model, None, wd, named=named)
 
 
-def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
-    """The optimizer and its step(max_norm) -> None."""
+def _build(kind: str, fraction: float, model, a, form: str = "fp32") -> tuple[object, callable]:
+    """The optimizer and its step(max_norm) -> None. form: cpass.FORMS's CPU-side state form (ours only)."""
     if kind in OURS:
+        m_dtype, v_dtype, rem = FORMS[form]
         opt = HybridDeviceOptimizer(_groups(model, a.weight_decay, True), HybridOptions(
                                     lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                                     offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
                                     cpu_threads=a.cpu_threads, gpu_assist=kind == "ours+assist",
-                                    use_torch_optimizer_for_cpu_offload=kind == "ours+torch-cpu"))  # fmt: skip
+                                    use_torch_optimizer_for_cpu_offload=kind == "ours+torch-cpu",
+                                    exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype,
+                                    store_param_remainders=rem))  # fmt: skip
         opt.attach_model(model)
         return opt, lambda: opt.clip_and_step(a.clip_grad)[0]
     from engine import megatron
@@ -79,7 +90,7 @@ def _build(kind: str, fraction: float, model, a) -> tuple[object, callable]:
     return opt, step
 
 
-def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
+def _run(kind: str, fraction: float, model, init_state, data, a, form: str = "fp32") -> dict:
     model.load_state_dict(init_state)
     for p in model.parameters():
         p.grad = None
@@ -87,7 +98,7 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t_setup = time.perf_counter()
-    opt, step = _build(kind, fraction, model, a)
+    opt, step = _build(kind, fraction, model, a, form)
     setup_s = time.perf_counter() - t_setup
     times, losses, norms, cpu_steps, speculated, clipped = [], [], [], [], [], []
     for it, tokens in enumerate(data):
@@ -111,6 +122,12 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
         opt.synchronize()
     peak = torch.cuda.max_memory_allocated()
     host = opt.host_bytes() if kind in OURS else None
+    cpu_params, pass_b = 0, None
+    if kind in OURS and opt.cpu is not None:
+        cpu_params = sum(p.numel() for p in opt.cpu.params.values())
+        m_dtype, v_dtype, rem = FORMS[form]
+        half = next(iter(opt.cpu.params.values())).dtype
+        pass_b = pass_bytes(m_dtype, v_dtype, half, None if half == torch.float32 else half, rem)
     if kind in OURS:
         opt.close()  # removes its hooks from the model, which would otherwise keep it alive
     del opt, step
@@ -123,8 +140,24 @@ def _run(kind: str, fraction: float, model, init_state, data, a) -> dict:
     return dict(
         kind=kind, fraction=fraction, iter_s=statistics.median(times[a.warmup :]), peak=peak, losses=losses,
         norms=norms, speculated=speculated, cpu_step_s=statistics.median(cpu_steps) if cpu_steps else None,
-        setup_s=setup_s, host=host, clipped=sum(clipped), measured=len(clipped),
+        setup_s=setup_s, host=host, clipped=sum(clipped), measured=len(clipped), form=form, cpu_params=cpu_params,
+        pass_bytes=pass_b,
     )  # fmt: skip
+
+
+def _floor(results: list[dict], a) -> float:
+    """The host's DRAM floor in GB/s: a torch copy of the bytes the largest CPU step moves (at most 8 GB), at the
+    CPU step's threads, measured now (after the runs, so it does not compete with them)."""
+    moved = max((r["cpu_params"] * r["pass_bytes"] for r in results if r["pass_bytes"]), default=1 << 30)
+    return dram_floor_gbs(min(moved, 8 << 30), a.cpu_threads or default_cpu_threads(), 3)
+
+
+def _dram(r: dict, floor: float) -> str:
+    """The CPU step's bytes per parameter and GB/s (its median compute time) against the floor."""
+    if not r["pass_bytes"] or not r["cpu_step_s"]:
+        return "-"
+    gbs = r["pass_bytes"] * r["cpu_params"] / r["cpu_step_s"] / 1e9
+    return f"{r['pass_bytes']} B, {gbs:.0f} GB/s ({gbs / floor:.0%})"
 
 
 def main(argv: list[str]) -> int:
@@ -157,7 +190,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--clip-grad", type=float, default=1.0)
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--data", choices=["stdlib", "random"], default="stdlib")
+    ap.add_argument("--forms", default="", help=f"our rows again with these CPU-side state forms ({', '.join(FORMS)})")
     a = ap.parse_args(argv)
+    forms = [f for f in a.forms.split(",") if f]
+    if bad := [f for f in forms if f not in FORMS]:
+        print(f"{COMMAND}: --forms {bad[0]!r} is not a state form; use some of {', '.join(FORMS)}", file=sys.stderr)
+        return 2
     if refusal := no_cuda(COMMAND):
         print(refusal, file=sys.stderr)
         return 2
@@ -178,14 +216,15 @@ def main(argv: list[str]) -> int:
     print(f"GPT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, micro-batch {a.micro_batch}, "
           f"vocab {a.vocab}: {n_params / 1e9:.3f} B params, bf16 weights + fp32 masters; {a.iters} iterations, "
           f"median of the last {a.iters - a.warmup}; clip_grad {a.clip_grad}; data {a.data}")  # fmt: skip
-    runs = [("ours", float(f)) for f in a.fractions.split(",") if f]
-    runs += [("ours+assist", float(f)) for f in a.assist_fractions.split(",") if f]
-    runs += [("ours+torch-cpu", float(f)) for f in a.torch_cpu_fractions.split(",") if f]
+    runs = [("ours", float(f), "fp32") for f in a.fractions.split(",") if f]
+    runs += [("ours", float(f), form) for form in forms for f in a.fractions.split(",") if f and float(f) > 0]
+    runs += [("ours+assist", float(f), "fp32") for f in a.assist_fractions.split(",") if f]
+    runs += [("ours+torch-cpu", float(f), "fp32") for f in a.torch_cpu_fractions.split(",") if f]
     if a.compare == "megatron" and _megatron_available():
-        runs += [("megatron", float(f)) for f in (a.megatron_fractions or a.fractions).split(",") if f]
+        runs += [("megatron", float(f), "fp32") for f in (a.megatron_fractions or a.fractions).split(",") if f]
     results = []
-    for kind, f in runs:
-        r = _run(kind, f, model, init_state, data, a)
+    for kind, f, form in runs:
+        r = _run(kind, f, model, init_state, data, a, form)
         results.append(r)
         cpu = f"{r['cpu_step_s'] * 1e3:.0f} ms" if r["cpu_step_s"] is not None else "-"
         print(f"  done {kind:11s} f={f:<4}: {r['iter_s'] * 1e3:7.1f} ms/iter, peak {r['peak'] / 2**30:.1f} GiB, "
@@ -193,23 +232,27 @@ def main(argv: list[str]) -> int:
         losses, norms = " ".join(f"{x:.3f}" for x in r["losses"]), " ".join(f"{x:.2f}" for x in r["norms"])
         print(f"      loss {losses} | grad norm {norms} | units (guessed in backward, GPU-assisted) {r['speculated']}")
     base = next((r for r in results if r["kind"] == "ours" and r["fraction"] == 0.0), results[0])
+    floor = _floor(results, a)
     print()
-    print("| optimizer | f | iteration (median) | vs ours f=0 | peak GPU memory | CPU step | loss delta vs f=0 "
-          "| clipped steps |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| optimizer | f | iteration (median) | vs ours f=0 | peak GPU memory | CPU step | CPU step B/param, GB/s "
+          f"(DRAM floor {floor:.0f} GB/s) | loss delta vs f=0 | clipped steps |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mega = next((m for m in results if m["kind"] == "megatron" and m["fraction"] == r["fraction"]), None)
         vs = f" ({mega['iter_s'] / r['iter_s']:.1f}x faster than Megatron)" if r["kind"] in OURS and mega else ""
         cpu = f"{r['cpu_step_s'] * 1e3:.0f} ms" if r["cpu_step_s"] is not None else "-"
         dl = max(abs(x - y) for x, y in zip(r["losses"], base["losses"], strict=True))
         it = f"{r['iter_s'] * 1e3:.1f} ms{vs}"
-        print(f"| {r['kind']} | {r['fraction']} | {it} | {r['iter_s'] / base['iter_s']:.2f}x | "
-              f"{r['peak'] / 2**30:.2f} GiB | {cpu} | {dl:.2e} | {r['clipped']}/{r['measured']} |")  # fmt: skip
+        kind = r["kind"] if r["form"] == "fp32" else f"{r['kind']} [{r['form']}]"
+        print(f"| {kind} | {r['fraction']} | {it} | {r['iter_s'] / base['iter_s']:.2f}x | "
+              f"{r['peak'] / 2**30:.2f} GiB | {cpu} | {_dram(r, floor)} | {dl:.2e} | "
+              f"{r['clipped']}/{r['measured']} |")  # fmt: skip
     print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
     if a.json:
-        keep = ("kind", "fraction", "iter_s", "peak", "cpu_step_s", "setup_s", "host", "clipped", "measured")
+        keep = ("kind", "fraction", "iter_s", "peak", "cpu_step_s", "setup_s", "host", "clipped", "measured", "form",
+                "cpu_params", "pass_bytes")  # fmt: skip
         with open(a.json, "w") as f:
-            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "params": n_params,
+            json.dump({"command": f"{COMMAND} {' '.join(argv)}", "params": n_params, "dram_floor_gbs": floor,
                        "rows": [{k: r[k] for k in keep} for r in results]}, f, indent=1)  # fmt: skip
     return 0
 

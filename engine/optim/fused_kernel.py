@@ -155,6 +155,18 @@ def status() -> str:
     return _status if _lib is not None else f"torch ops: {_status}"
 
 
+def pass_bytes(m: torch.dtype, v: torch.dtype, grad: torch.dtype, half: torch.dtype | None, remainders: bool) -> int:
+    """Bytes per parameter one pass reads and writes in host memory, as the code touches them: the gradient read;
+    the master (fp32, or the bf16 weight + int16 remainder), m and v read and written; the half weights written
+    (the remainder form's weight is its master's high half, already counted). 28 for the fp32 pass with bf16
+    gradient and weights, 18 for bf16 moments with the remainder master. In place or out of place alike (the
+    fp32 pass streams new buffers, skipping the write-allocate read); a plain store to the half weights may add
+    that read (2 B) in the narrow pass."""
+    master = 2 + 2 if remainders else 4
+    written_half = 0 if remainders or half is None else half.itemsize
+    return grad.itemsize + 2 * (master + m.itemsize + v.itemsize) + written_half
+
+
 def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
     return None if t is None else t.data_ptr() + offset * t.element_size()
 

@@ -228,8 +228,10 @@ static inline void rem_split(float f, uint16_t *hi, int16_t *rem) {
     *hi = (uint16_t)((u >> 16) + ((u >> 15) & 1u)); /* round the high half up when the low half is >= 0x8000 */
 }
 
-static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const void *p, const int16_t *rem,
-                                                              const void *m, const void *v, const void *g,
+/* inputs restrict as in adamw_loop: each element is read before its output is written, in place or not */
+static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const void *restrict p,
+                                                              const int16_t *restrict rem, const void *restrict m,
+                                                              const void *restrict v, const void *restrict g,
                                                               void *p_out, int16_t *rem_out, void *m_out, void *v_out,
                                                               void *half_out, hyper_t h, const int pk, const int mk,
                                                               const int vk, const int gk, const int hk,
