@@ -249,3 +249,38 @@ def test_bench_optimizer_row_states_its_bytes(monkeypatch, form):
     assert r["cpu_params"] == sum(dict(model.named_parameters())[n].numel() for n in built[0].cpu_names) > 0
     assert r["pass_bytes"] == (28 if form == "fp32" else 18)
     assert bench._dram(r, 10.0).startswith(f"{r['pass_bytes']} B, ")
+
+
+def test_host_refusal_names_the_state_dtypes_that_fit_and_the_largest_model_now():
+    """A host refusal at a fixed split: the narrower CPU-side states that fit (the exact remainder first), with the
+    largest model at the current dtypes; none named where the states are as narrow as they go."""
+    from dataclasses import replace
+
+    from engine.config import load_config
+    from engine.planning import planner
+    from engine.planning.preflight import refusal
+    from engine.resources import config_file
+
+    gib = 1 << 30
+    fixed = ["optimizer.optimizer_offload_fraction=0.9", "model.cpu_offloading_num_layers=0"]
+    cfg = load_config(config_file("13b-h200.json"), overrides=fixed)
+    wide = planner(cfg, gpu_budget_bytes=139 * gib, host_budget_bytes=None)
+    s, f = wide.settings, 0.9
+    need = {form: wide.evaluate(f, 0, replace(s, **change)).host.total_bytes for form, change in
+            (("fp32", {}), ("rem", {"remainders": True}), ("bf16", {"moment_bytes": (2, 2)}))}  # fmt: skip
+    masters = [wide.evaluate(f, 0, replace(s, remainders=r)).host.parts["optimizer.master"] for r in (False, True)]
+    assert masters[0] - masters[1] == 2 * wide.evaluate(f, 0).cpu_parameters  # 2 B per CPU-stepped parameter
+    for budget, says in (
+        ((need["fp32"] + need["rem"]) // 2, "optimizer.store_param_remainders=true (host "),
+        (need["rem"] - 1, "optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16 (host "),
+    ):
+        p = planner(cfg, gpu_budget_bytes=139 * gib, host_budget_bytes=budget)
+        said = refusal(p, p.evaluate(f, 0))
+        assert "set optimizer.use_precision_aware_optimizer=true " + says in said, said
+        assert "; at the current state dtypes at hidden 5120, seq 2048, micro-batch 1 at most " in said, said
+        assert "\n" not in said
+    narrowest = load_config(config_file("13b-h200.json"), overrides=fixed + REM + [
+        "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"])  # fmt: skip
+    p = planner(narrowest, gpu_budget_bytes=139 * gib, host_budget_bytes=need["bf16"] // 3)
+    said = refusal(p, p.evaluate(f, 0))
+    assert "set optimizer" not in said and "host memory: plan needs" in said, said

@@ -101,15 +101,48 @@ def refusal(p: Planner, plan: Plan) -> str:
             f"{what} when a checkpoint is saved (the optimizer's fp32 state copied to the host, "
             f"{gib(plan.host.parts['checkpoint_state_copy'])} GiB); unset checkpoint.save or free host memory"
         )
+    fix = None
     if fraction > 0:
         highest = p.largest_host_fraction(k)
         if highest is not None and p.evaluate(highest, k).gpu.fits:
-            return f"{what}; lower optimizer.optimizer_offload_fraction to <= {highest:.2f}"
-    if k > 0:  # the most layers whose pool fits the host; fewer only lose GPU memory
+            fix = f"lower optimizer.optimizer_offload_fraction to <= {highest:.2f}"
+    if fix is None and k > 0:  # the most layers whose pool fits the host; fewer only lose GPU memory
         fewer = p.most_host_layers(fraction, below=k)
         if fewer is not None and p.evaluate(fraction, fewer).fits:
-            return f"{what}; lower model.cpu_offloading_num_layers to <= {fewer}"
+            fix = f"lower model.cpu_offloading_num_layers to <= {fewer}"
+    narrow = _narrower_states(p, plan)  # keeps the model and the split, changing the CPU part's state dtypes
+    if narrow is not None:
+        either = f"{fix}, or {narrow}" if fix else narrow
+        return f"{what}; {either}; at the current state dtypes {p.largest_model_hint()}"
+    if fix is not None:
+        return f"{what}; {fix}"
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
+
+
+def _narrower_states(p: Planner, plan: Plan) -> str | None:
+    """The first narrower CPU-side state form that fits at this fraction and layer count, as the keys to set and
+    the host bytes it plans: the remainder master alone (exact), bf16 moments, then both. None where the CPU
+    part's states cannot narrow (no CPU-stepped part, not the engine's CPU AdamW, the GPU assist) or none fits."""
+    o, t, s = p.cfg.optimizer, p.cfg.train, p.settings
+    if (plan.fraction == 0 or not o.optimizer_cpu_offload or o.implementation != "engine" or o.optimizer != "adam"
+            or o.use_torch_optimizer_for_cpu_offload or o.cpu_offload_gpu_assist):  # fmt: skip
+        return None
+    forms: list[tuple[list[str], dict]] = []
+    rem = ["optimizer.store_param_remainders=true"], {"remainders": True}
+    bf16 = ["optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"], {"moment_bytes": (2, 2)}
+    can_rem = not s.remainders and t.precision == "bf16" and t.params_dtype == "half" and not o.delayed_param_update
+    if can_rem:
+        forms.append(rem)
+    if s.moment_bytes != (2, 2):
+        forms.append(bf16)
+        if can_rem:
+            forms.append((rem[0] + bf16[0], {**rem[1], **bf16[1]}))
+    for keys, change in forms:
+        trial = p.evaluate(plan.fraction, plan.offloaded_layers, replace(s, **change))
+        if trial.fits:
+            switch = [] if o.use_precision_aware_optimizer else ["optimizer.use_precision_aware_optimizer=true"]
+            return f"set {' '.join(switch + keys)} (host {gib(trial.host.total_bytes)} GiB)"
+    return None
 
 
 def _fits_without_checkpoint(p: Planner, plan: Plan) -> bool:
