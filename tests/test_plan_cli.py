@@ -53,7 +53,7 @@ def test_plan_table_and_json_for_the_demo(capsys):
          r"^error: host memory: plan needs [\d.]+ GiB, 125\.0 GiB available; lower "
          r"optimizer\.optimizer_offload_fraction to <= 0\.\d\d, or set optimizer\.use_precision_aware_optimizer=true "
          r"optimizer\.exp_avg_dtype=bf16 optimizer\.exp_avg_sq_dtype=bf16 \(host [\d.]+ GiB\); at the current state "
-         r"dtypes at hidden 5120, seq 2048, micro-batch 1 at most \d+ layers \([\d.]+ B parameters\) fit"),
+         r"dtypes, at hidden 5120, seq 2048, micro-batch 1 at most \d+ layers \([\d.]+ B parameters\) fit"),
         (["optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0",
           "model.cpu_offloading_num_layers=0"],
          r"^error: GPU memory: plan needs [\d.]+ GiB, 139\.0 GiB available; set optimizer\.optimizer_cpu_offload=true "

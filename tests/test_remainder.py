@@ -277,7 +277,7 @@ def test_host_refusal_names_the_state_dtypes_that_fit_and_the_largest_model_now(
         p = planner(cfg, gpu_budget_bytes=139 * gib, host_budget_bytes=budget)
         said = refusal(p, p.evaluate(f, 0))
         assert "set optimizer.use_precision_aware_optimizer=true " + says in said, said
-        assert "; at the current state dtypes at hidden 5120, seq 2048, micro-batch 1 at most " in said, said
+        assert "; at the current state dtypes, at hidden 5120, seq 2048, micro-batch 1 at most " in said, said
         assert "\n" not in said
     narrowest = load_config(config_file("13b-h200.json"), overrides=fixed + REM + [
         "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"])  # fmt: skip

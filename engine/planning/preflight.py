@@ -113,7 +113,7 @@ def refusal(p: Planner, plan: Plan) -> str:
     narrow = _narrower_states(p, plan)  # keeps the model and the split, changing the CPU part's state dtypes
     if narrow is not None:
         either = f"{fix}, or {narrow}" if fix else narrow
-        return f"{what}; {either}; at the current state dtypes {p.largest_model_hint()}"
+        return f"{what}; {either}; at the current state dtypes, {p.largest_model_hint()}"
     if fix is not None:
         return f"{what}; {fix}"
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
