@@ -116,3 +116,20 @@ def test_bench_help_exits_0(capsys):
 
     assert bench_main(["--help"]) == 0 and "scale" in capsys.readouterr().out
     assert bench_main([]) == 2 and "usage" in capsys.readouterr().err
+
+
+def test_json_keeps_the_finished_rows_of_a_stopped_run(tmp_path, monkeypatch):
+    """A run stopped by a time limit (the device scripts' timeout) still leaves the rows it finished in --json."""
+    out, real, calls = tmp_path / "scale.json", scale_run.run_row, []
+
+    def stop_at_the_second(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scale_run, "run_row", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        scale.main([*TINY, "--rows", "fit,exact", "--json", str(out)])
+    data = json.load(open(out))
+    assert data["partial"] and [r["name"] for r in data["rows"]] == ["fit"] and data["rows"][0]["iter_ms"] > 0

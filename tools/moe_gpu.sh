@@ -39,6 +39,8 @@ if not path.exists():
     sys.exit(f"no {path}: the bench did not finish; see moe.log")
 result = json.loads(path.read_text())
 rows, bounds = result["rows"], result.get("depth_bounds")
+if result.get("partial"):
+    print("\nthe bench was stopped before its last row: the rows it finished")
 if bounds:
     depth = min(bounds.values())
     binding = [n for n, d in bounds.items() if d == depth]

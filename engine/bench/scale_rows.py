@@ -101,7 +101,12 @@ def report(a: argparse.Namespace, argv: list[str], rows: list[Row], fit_shape, s
     print()
     print(table(rows))
     print(f"\ncommand: {command} {' '.join(argv)}".rstrip())
+    write_json(a, rows, {"formula": formula, "argv": argv})
+
+
+def write_json(a: argparse.Namespace, rows: list[Row], extra: dict | None = None) -> None:
+    """--json: the rows so far (written after each row too, so a run stopped by a time limit keeps them)."""
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"formula": formula, "rows": [asdict(r) for r in rows], "argv": argv,
+            json.dump({**(extra or {"partial": True}), "rows": [asdict(r) for r in rows],
                        "depth_bounds": getattr(a, "depth_bounds", None)}, fh, indent=1)  # fmt: skip

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from engine.bench.scale_rows import Row
+from engine.bench.scale_rows import Row, write_json
 from engine.config import ConfigError, load_config
 from engine.planning.budget import Budgets
 
@@ -183,4 +183,5 @@ def run_rows(a: argparse.Namespace, plan: list[tuple], tokens) -> list[Row]:
                   f"{len(row.delayed_steps)} delayed steps, losses "
                   + " ".join(f"{x:.3f}" for x in row.losses), flush=True)  # fmt: skip
         rows.append(row)
+        write_json(a, rows)
     return rows
