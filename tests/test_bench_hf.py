@@ -143,6 +143,8 @@ def test_moe_from_a_config_json_at_the_planned_depth_and_fractions(tmp_path, cap
     assert [r["name"] for r in rows] == ["f=0", "f=0.5", "f=1"]
     assert [r["fraction"] for r in rows] == [0.0, 0.5, 1.0] and {r["layers"] for r in rows} == {3}
     assert rows[0]["cpu_step_ms"] is None and rows[2]["host_engine_bytes"] > rows[1]["host_engine_bytes"] > 0
+    assert rows[0]["cpu_params"] == 0 and rows[2]["cpu_params"] == rows[2]["params"]
+    assert 0.4 < rows[1]["cpu_params"] / rows[1]["params"] < 0.6  # split by whole tensors: near the fraction
     for r in rows[1:]:
         assert r["losses"] == pytest.approx(rows[0]["losses"], rel=1e-6)
 

@@ -49,17 +49,18 @@ if bounds:
 seed = {0.0: "1.0x", 0.25: "~1.9x", 0.5: "~2.7x (interpolated)", 1.0: "~4.2x"}
 base = next((r for r in rows if r["fraction"] == 0.0 and not r["unavailable"]), None)
 g = lambda b: "-" if b is None else f"{b / 2**30:.1f}"
-print("\n| f | layers | params | ms/iter | x f=0 | Megatron (seed) | tokens/s | TFLOP/s (active) | CPU step | GPU waited "
+print("\n| f | CPU-stepped | layers | params | ms/iter | x f=0 | Megatron (seed) | tokens/s | TFLOP/s (active) | CPU step | GPU waited "
       "| peak GPU GiB | plan GPU GiB | host RSS GiB | plan host GiB | loss first -> last |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     f = float(r["fraction"])
     if r["unavailable"]:
-        print(f"| {f:g} | {r['layers']} | {r['params'] / 1e9:.2f} B | not available: {r['unavailable']} |" + " |" * 11)
+        print(f"| {f:g} | - | {r['layers']} | {r['params'] / 1e9:.2f} B | not available: {r['unavailable']} |" + " |" * 11)
         continue
     x = f"{r['iter_ms'] / base['iter_ms']:.2f}x" if base else "-"
     ms = lambda v: "-" if v is None else f"{v:.0f} ms"
-    print(f"| {f:g} | {r['layers']} | {r['params'] / 1e9:.2f} B | {r['iter_ms']:.0f} | {x} | {seed.get(f, '-')} | "
+    share = "-" if r["cpu_params"] is None else f"{r['cpu_params'] / r['params']:.1%}"
+    print(f"| {f:g} | {share} | {r['layers']} | {r['params'] / 1e9:.2f} B | {r['iter_ms']:.0f} | {x} | {seed.get(f, '-')} | "
           f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {ms(r['cpu_step_ms'])} | {ms(r['gpu_wait_ms'])} | "
           f"{g(r['peak_gpu_bytes'])} | {g(r['plan_gpu_bytes'])} | {g(r['host_rss_bytes'])} | {g(r['plan_host_bytes'])} | "
           f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")

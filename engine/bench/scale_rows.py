@@ -24,6 +24,7 @@ class Row:
     host_rss_bytes: int = 0
     plan_gpu_bytes: int | None = None  # what the row's memory plan predicted (engine.initialize's pre-flight)
     plan_host_bytes: int | None = None
+    cpu_params: int | None = None  # the parameters the CPU steps (the split is by whole tensors)
     cpu_step_ms: float | None = None
     speculated_ms: float | None = None
     guesses: str | None = None  # "committed/made" over the measured steps

@@ -109,7 +109,7 @@ def run_row(a: argparse.Namespace, name: str, shape, fraction: float | str, dpu:
     row.setup_s = time.perf_counter() - t0
     if eng.planned is not None:  # the plan the pre-flight accepted (on a CPU run its "GPU" is the host too)
         planned = eng.planned[1]
-        row.plan_host_bytes = planned.host.total_bytes
+        row.plan_host_bytes, row.cpu_params = planned.host.total_bytes, planned.cpu_parameters
         row.plan_gpu_bytes = planned.gpu.total_bytes if planned.gpu.device == "cuda" else None
     row.fraction = float(eng.config.optimizer.optimizer_offload_fraction)  # "auto" resolved by the plan
     row.dpu = bool(eng.config.optimizer.delayed_param_update)
