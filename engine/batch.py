@@ -94,6 +94,19 @@ def is_causal_lm(model: nn.Module) -> bool:
     return type(inner_module(model)).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
+def fused_loss_head(model: nn.Module, in_hand: bool, loss_fn: Any, chunk_tokens: int) -> tuple[nn.Module, int]:
+    """model.fused_linear_cross_entropy: (the output head, chunk tokens) BatchLoss.fused computes the loss from
+    (engine.models.linear_cross_entropy); ValueError naming the key where it cannot act."""
+    from engine.models.linear_cross_entropy import output_head
+
+    if not in_hand or loss_fn is not None:
+        why = "the built-in GPT computes its own loss" if not in_hand else "loss_fn takes the whole logits"
+        raise ValueError(f"model.fused_linear_cross_entropy=true acts on an HF causal LM's own loss, and {why}; "
+                         "set it to false")  # fmt: skip
+    model = inner_module(model)
+    return output_head(model, is_causal_lm(model)), chunk_tokens
+
+
 class BatchLoss:
     """Runs one micro-batch through `model` and returns its scalar loss (see the module docstring)."""
 

@@ -16,18 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras, oom, report, user_model
-from engine.batch import BatchLoss, is_causal_lm, takes_labels
-from engine.build import build_model, build_optimizer, place_model
+from engine import checkpoint, dist, extras, first_batch, oom, report, user_model
+from engine.batch import BatchLoss, fused_loss_head, is_causal_lm, takes_labels
+from engine.build import build_model, place_model
 from engine.config import Config, check_world_size, load_config, written_keys
 from engine.data import TokenBatches, load_tokens
-from engine.optim.distributed import DistributedOptimizer
-from engine.optim.param_groups import named_parameter_groups
+from engine.models.gpt import GPT
 from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
 from engine.planning import preflight
 from engine.planning.budget import Budgets
 from engine.precision import DTYPES, LossScaler, autocast
-from engine.schedule import WarmupDecayLR
 from engine.skips import SkippedSteps
 from engine.weights import ReadableWeights
 
@@ -47,23 +45,24 @@ class Engine:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: EngineOptimizer | torch.optim.Optimizer,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optimizer: EngineOptimizer | torch.optim.Optimizer | None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         config: Config,
         device: torch.device,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         offloader: Any = None,
         data_parallel_size: int | None = None,
         find_unused_parameters: bool = False,
+        pending: first_batch.Pending | None = None,
     ) -> None:
-        self._module, self.lr_scheduler = module, lr_scheduler
-        self.optimizer: EngineOptimizer = as_engine_optimizer(optimizer)
-        self.config, self.device, self.loss_fn, self.offloader = config, device, loss_fn, offloader
+        self._module, self.config, self.device, self.loss_fn = module, config, device, loss_fn
+        self._pending = pending  # the plan and the parts below wait for the first micro-batch (engine.first_batch)
+        self._optimizer: EngineOptimizer | None = None
+        self._lr_scheduler, self._offloader, self._find_unused = None, None, find_unused_parameters
+        self._forward_module = module  # DDP's wrapper once the optimizer exists (its gradient hook); state: self.module
         t = config.train
         self.data_parallel_size = data_parallel_size or dist.world_size()
         self.micro_batches_per_step = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
-        # DDP if distributed; state: self.module
-        self._forward_module = dist.wrap_model(module, device, self.optimizer, find_unused_parameters)
         half = DTYPES[t.precision] if t.params_dtype == "half" else None  # float inputs follow half weights
         self._batch_loss = BatchLoss(loss_fn, takes_labels(module, loss_fn), half, is_causal_lm(module))
         self._readable = ReadableWeights(module, self.synchronize)
@@ -77,8 +76,46 @@ class Engine:
         self._loss_sum: torch.Tensor | None = None  # this global batch's micro-batch losses, for the finite check
         self.last_step_delayed = False  # optimizer.delayed_param_update: this step's CPU-side update lands late
         self._autocast = autocast(device, t.precision, t.params_dtype)
-        self.optimizer.attach_model(module)
         self.planned: tuple[Config, Any] | None = None  # (resolved config, plan) of the pre-flight, for OOM errors
+        if pending is None:
+            self._attach(first_batch.Built(config, optimizer, lr_scheduler, offloader))
+
+    @property
+    def optimizer(self) -> EngineOptimizer:
+        """The optimizer. A model planned at its first micro-batch gets it there; read before, it is built at once
+        when no "auto" value waits on the batch, else ValueError says what is needed (as for the two below)."""
+        return self._built("the optimizer")._optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self._built("the LR schedule")._lr_scheduler
+
+    @property
+    def offloader(self) -> Any:
+        """The activation offload's handle (engine.offload), or None."""
+        return self._built("the activation offload")._offloader
+
+    def _built(self, what: str) -> Engine:
+        if self._optimizer is None:
+            self._attach(self._pending.early(what))
+        return self
+
+    def _attach(self, built: first_batch.Built) -> None:
+        """Takes the optimizer, schedule and activation offload; then the checkpoint state that waited for them."""
+        self.config, self._offloader, self._lr_scheduler = built.cfg, built.offloader, built.scheduler
+        self._optimizer = as_engine_optimizer(built.optimizer)
+        self._forward_module = dist.wrap_model(self._module, self.device, self._optimizer, self._find_unused)
+        self._optimizer.attach_model(self._module)
+        while self._pending is not None and self._pending.restore:
+            self._pending.restore.pop(0)()
+
+    def _plan_first_batch(self, batch: Any) -> None:
+        """The plan of the first micro-batch: refused with its one line, or "auto" chosen and the rest built."""
+        built = self._pending.at_batch(batch)
+        if self._optimizer is None:
+            self._attach(built)
+        self.config, self._pending = built.cfg, None
+        self.planned = preflight.last()
 
     @property
     def module(self) -> nn.Module:
@@ -90,6 +127,8 @@ class Engine:
     def forward(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch: `(inputs, labels)`, a dict (HF's `input_ids`, ..., `labels`), or a tensor.
         How labels reach the model and how its output becomes the loss: engine.batch."""
+        if self._pending is not None:
+            self._plan_first_batch(batch)
         model = self._forward_module
         dist.set_grad_sync(model, self.micro_step + 1 >= self.micro_batches_per_step)  # reduce on the last only
         self._readable.inside_engine = True
@@ -169,20 +208,6 @@ class Engine:
         self.step()
         return dist.average(total).item() / self.micro_batches_per_step
 
-    def use_fused_linear_cross_entropy(self, in_hand: bool) -> None:
-        """model.fused_linear_cross_entropy: the loss from the output head over chunks (models.linear_cross_entropy);
-        ValueError naming the key where it cannot act."""
-        from engine.batch import inner_module
-        from engine.models.linear_cross_entropy import output_head
-
-        if not in_hand or self.loss_fn is not None:
-            why = "the built-in GPT computes its own loss" if not in_hand else "loss_fn takes the whole logits"
-            raise ValueError(f"model.fused_linear_cross_entropy=true acts on an HF causal LM's own loss, and {why}; "
-                             "set it to false")  # fmt: skip
-        model = inner_module(self._module)
-        head = output_head(model, is_causal_lm(model))
-        self._batch_loss.fused = (head, self.config.model.fused_linear_cross_entropy_chunk_size)
-
     def _oom(self, error: torch.OutOfMemoryError, where: str) -> torch.OutOfMemoryError:
         """torch's out-of-memory error as the engine's one line (still a torch.OutOfMemoryError)."""
         if isinstance(error, oom.PlannedOutOfMemoryError):
@@ -218,17 +243,18 @@ class Engine:
         of the model or `eng.module` wait by themselves (engine.weights); a tensor kept across steps does not.
         Under optimizer.delayed_param_update a delayed update is not pending here: it lands in the next step."""
         self._readable.pending = False
-        self.optimizer.synchronize()
+        if self._optimizer is not None:
+            self._optimizer.synchronize()
 
     # -- accounting -----------------------------------------------------------------------------
     def host_bytes(self) -> int:
         """Bytes held in host memory by offloading: optimizer states, and activations at their peak (the end of
         forward; after backward the host holds none)."""
-        return self.activation_offload_bytes() + self.optimizer.host_bytes()
+        return self.activation_offload_bytes() + (self._optimizer.host_bytes() if self._optimizer is not None else 0)
 
     def activation_offload_bytes(self) -> int:
         """The most activation bytes held in host memory at once so far: GPU memory the forward did not hold."""
-        return self.offloader.peak_host_bytes() if self.offloader is not None else 0
+        return self._offloader.peak_host_bytes() if self._offloader is not None else 0
 
     def peak_memory_bytes(self) -> int:
         """Peak device memory: CUDA's allocator peak, or the process's peak RSS on CPU."""
@@ -278,16 +304,10 @@ class Engine:
                 f"{why}; load it with the model.* settings it was saved with"
             )
         self.module.load_state_dict(state["model"])
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise checkpoint.CheckpointError(
-                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}): its optimizer state does "
-                f"not fit optimizer.* of this run ({type(e).__name__}: {first}); resume with the optimizer "
-                "settings it was saved with"
-            ) from e
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self._optimizer is None:  # built at the first micro-batch, which loads its state (held until then)
+            self._pending.restore.append(lambda: self._load_optimizer_state(state, load_dir))
+        else:
+            self._load_optimizer_state(state, load_dir)
         self.scaler.load_state_dict(state["loss_scaler"])
         torch.set_rng_state(state["rng"]["cpu"])
         if torch.cuda.is_available() and state["rng"]["cuda"]:
@@ -300,23 +320,17 @@ class Engine:
         self.micro_step = 0
         return state["client_state"]
 
-
-def _apply_activation_offloading(model: nn.Module, m: Any) -> Any:
-    """The offload handle `model.cpu_offloading*` / `fine_grained_activation_offloading` ask for, or None."""
-    from engine import offload
-
-    if m.cpu_offloading:
-        return offload.apply_activation_offloading(
-            model,
-            m.cpu_offloading_num_layers,
-            m.cpu_offloading_activations,
-            m.cpu_offloading_weights,
-            m.cpu_offloading_double_buffering,
-            m.cpu_offloading_layers_path,
-        )
-    if m.fine_grained_activation_offloading:
-        return offload.apply_fine_grained_offloading(model, m.offload_modules, m.cpu_offloading_layers_path)
-    return None
+    def _load_optimizer_state(self, state: dict, load_dir: str) -> None:
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise checkpoint.CheckpointError(
+                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}): its optimizer state does "
+                f"not fit optimizer.* of this run ({type(e).__name__}: {first}); resume with the optimizer "
+                "settings it was saved with"
+            ) from e
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
 def initialize(
@@ -340,7 +354,8 @@ def initialize(
     anything large is allocated the memory plan resolves "auto" values and refuses what cannot fit
     (engine.planning.preflight; memory_budgets: plan against other budgets than this machine's). With a model of
     your own, `example_batch` (one micro-batch as `train_batch` gets it) is what the plan measures its
-    activations, logits and loss on; "auto" needs it.
+    activations, logits and loss on; without it the first micro-batch is (engine.first_batch: the optimizer and
+    schedule returned are then built there).
     """
     in_hand = model is not None  # its shape comes from the model; the built-in GPT's model.* keys are refused
     if isinstance(config, Config) and not overrides and not in_hand:
@@ -353,8 +368,12 @@ def initialize(
     if world > 1:  # the rules that read the data-parallel size, at the size the group has
         check_world_size(cfg, world)
     device = _pick_device(cfg.train.device)
-    batch = example_batch if in_hand else None
-    cfg = preflight.check(cfg, model, device, world, memory_budgets, batch, loss_fn)  # "auto" resolved; refuses
+    if optimizer is not None:
+        first_batch.check_given_optimizer(cfg, world)
+    loaded = cfg
+    waits = in_hand and example_batch is None and not isinstance(model, GPT) and not extras.is_megatron_gpt(model)
+    if not (waits and first_batch.auto_keys(cfg)):  # a model planned at its first micro-batch: refused now if it can
+        cfg = preflight.check(cfg, model, device, world, memory_budgets, example_batch if in_hand else None, loss_fn)
     torch.manual_seed(cfg.train.seed)
     half = DTYPES[cfg.train.precision] if cfg.train.params_dtype == "half" else None
     if model is None:  # built on the meta device, materialised on `device` in its final dtype
@@ -364,37 +383,18 @@ def initialize(
 
         model = megatron.as_engine_module(model, seed=cfg.train.seed, device=device)
     model = place_model(model, device, half, cfg.train.seed)  # a no-op for a model already placed
-    if in_hand:
-        user_model.prepare(model, cfg.model)  # full recompute of its layers
-    offloader = _apply_activation_offloading(model, cfg.model)
-    if optimizer is None:
-        groups = named_parameter_groups(model, model_parameters, cfg.optimizer.weight_decay)
-        if cfg.optimizer.use_distributed_optimizer and world > 1:
-            optimizer = DistributedOptimizer(groups, lambda owned: build_optimizer(owned, cfg, model))
-        else:
-            optimizer = build_optimizer(groups, cfg, model)
-    elif cfg.optimizer.use_distributed_optimizer and world > 1:
-        raise ValueError("optimizer.use_distributed_optimizer=true shards its own optimizer; pass optimizer=None")
-    elif cfg.optimizer.optimizer_cpu_offload:
-        raise ValueError("optimizer.optimizer_cpu_offload=true builds its own optimizer; pass optimizer=None")
-    elif cfg.train.params_dtype == "half":
-        raise ValueError(
-            'train.params_dtype="half" keeps fp32 master weights in the engine\'s optimizer; '
-            'pass optimizer=None or set train.params_dtype="fp32"'
-        )
-    o = cfg.optimizer
-    scheduler = WarmupDecayLR(
-        optimizer,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        warmup_iters=o.lr_warmup_iters,
-        decay_iters=o.lr_decay_iters or cfg.train.train_iters,
-        style=o.lr_decay_style,
-    )
     unused = cfg.train.find_unused_parameters
-    eng = Engine(model, optimizer, scheduler, cfg, device, loss_fn, offloader, world,
-                 find_unused_parameters=in_hand if unused == "auto" else unused)  # fmt: skip
-    if cfg.model.fused_linear_cross_entropy:
-        eng.use_fused_linear_cross_entropy(in_hand)
+    pending = first_batch.Pending.start(loaded, model, optimizer, model_parameters, device, world, memory_budgets,
+                                        loss_fn) if waits else None  # fmt: skip
+    built = first_batch.Built(cfg, optimizer, None, None) if waits else first_batch.build(
+        cfg, model, optimizer, model_parameters, world, in_hand)  # fmt: skip
+    eng = Engine(model, built.optimizer, built.scheduler, cfg, device, loss_fn, built.offloader, world,
+                 in_hand if unused == "auto" else unused, pending=pending)  # fmt: skip
+    if cfg.model.fused_linear_cross_entropy:  # the loss from the output head over chunks of tokens
+        chunk = cfg.model.fused_linear_cross_entropy_chunk_size
+        eng._batch_loss.fused = fused_loss_head(model, in_hand, loss_fn, chunk)
+    if waits:
+        given = optimizer if optimizer is not None else first_batch.Deferred(lambda: first_batch.raw(eng.optimizer))
+        return eng, given, first_batch.Deferred(lambda: eng.lr_scheduler)
     eng.planned = preflight.last()  # what the plan predicted, named by an out-of-memory error
-    return eng, optimizer, scheduler
+    return eng, built.optimizer, built.scheduler

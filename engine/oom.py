@@ -22,16 +22,21 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f}"
 
 
-def line(error: BaseException, planned: tuple[Any, Any] | None, where: str = "") -> str:
-    """One line for `error` (torch's OOM) given (resolved config, plan) or None when no plan was made."""
+def head(error: BaseException, where: str = "") -> str:
+    """ "CUDA out of memory in WHERE: allocating N GiB failed", from torch's message."""
     tried = _TRIED.search(str(error))
     failed = f"allocating {tried.group(1)} failed" if tried else "an allocation failed"
-    head = f"{'CUDA ' if 'CUDA' in str(error) else ''}out of memory{f' in {where}' if where else ''}: {failed}"
+    return f"{'CUDA ' if 'CUDA' in str(error) else ''}out of memory{f' in {where}' if where else ''}: {failed}"
+
+
+def line(error: BaseException, planned: tuple[Any, Any] | None, where: str = "") -> str:
+    """One line for `error` (torch's OOM) given (resolved config, plan) or None when no plan was made."""
+    first = head(error, where)
     if planned is None:
-        return f"{head}; no memory plan was made (bin/train CONFIG --plan, or engine.plan(config, model))"
+        return f"{first}; no memory plan was made (bin/train CONFIG --plan, or engine.plan(config, model))"
     cfg, plan = planned
     return (
-        f"{head} where the plan said {_gib(plan.gpu.total_bytes)} GiB of {_gib(plan.gpu.budget_bytes)} GiB (peak "
+        f"{first} where the plan said {_gib(plan.gpu.total_bytes)} GiB of {_gib(plan.gpu.budget_bytes)} GiB (peak "
         f"during {plan.gpu.phase}); raise optimizer.optimizer_offload_fraction (now {plan.fraction:.2f}) or "
         f"model.cpu_offloading_num_layers (now {plan.offloaded_layers}), or lower train.micro_batch_size "
         f"(now {cfg.train.micro_batch_size})"

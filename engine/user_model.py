@@ -80,10 +80,11 @@ def _shape_key_errors(model: nn.Module, m: ModelConfig, written: frozenset[str])
     return errors
 
 
-def prepare(model: nn.Module, m: ModelConfig) -> str | None:
+def prepare(model: nn.Module, m: ModelConfig, wrap: bool = True) -> str | None:
     """Applies `recompute_granularity="full"` to the layers of the model in hand (model.recompute_num_layers of
-    them after the offloaded ones, or all); returns a description of the
-    layer stacks it wrapped, or None. Raises ValueError naming the key and the fix where it cannot act."""
+    them after the offloaded ones, or all); returns a description of the layer stacks it wrapped, or None. Raises
+    ValueError naming the key and the fix where it cannot act (wrap=False: only that check; an "auto" number of
+    offloaded layers is not known yet, and the count is checked once it is)."""
     if m.recompute_granularity != "full":
         return None
     if m.fine_grained_activation_offloading:
@@ -96,6 +97,8 @@ def prepare(model: nn.Module, m: ModelConfig) -> str | None:
     except ValueError as e:
         raise ValueError(f'model.recompute_granularity="full" wraps each transformer layer, but {e}') from None
     every = [layer for _, layers in stacks for layer in layers]  # forward order, as offloading counts them
+    if not wrap and m.cpu_offloading and m.cpu_offloading_num_layers == "auto":
+        return describe_stacks(stacks)
     offloaded = int(m.cpu_offloading_num_layers) if m.cpu_offloading else 0
     count = m.recompute_num_layers
     if count is not None and offloaded + count > len(every):
@@ -103,7 +106,7 @@ def prepare(model: nn.Module, m: ModelConfig) -> str | None:
             f"model.recompute_num_layers={count}: "
             f"{recomputed_layer_count(count, offloaded if m.cpu_offloading else None, len(every))}"
         )
-    for i in recomputed_layers(len(every), offloaded, count):
+    for i in recomputed_layers(len(every), offloaded, count) if wrap else ():
         recompute(every[i])
     return describe_stacks(stacks)
 

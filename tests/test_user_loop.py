@@ -197,7 +197,7 @@ def _raise_oom(*args, **kwargs):
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_out_of_memory_in_train_batch_is_one_line_naming_the_plan(where):
     model = llama()
-    eng, _, _ = engine.initialize(model=model, config=CFG)
+    eng, _, _ = engine.initialize(model=model, config=CFG, example_batch=lm_batches(1)[0])  # planned now
     if where == "forward":
         model.model.layers[1].mlp.forward = _raise_oom
     else:
@@ -216,7 +216,7 @@ def test_out_of_memory_in_train_batch_is_one_line_naming_the_plan(where):
 
 def test_out_of_memory_without_a_plan_says_so():
     model = llama()
-    eng, _, _ = engine.initialize(model=model, config=CFG)
+    eng, _, _ = engine.initialize(model=model, config=CFG, example_batch=lm_batches(1)[0])
     eng.planned = None  # an Engine built by hand, without the pre-flight
     model.model.layers[0].mlp.forward = _raise_oom
     with pytest.raises(PlannedOutOfMemoryError, match=r"^CUDA out of memory in forward: allocating 4\.64 GiB failed; "

@@ -99,7 +99,8 @@ def plan(
     example_batch: one micro-batch as `train_batch` will get it (a dict with `input_ids`/`labels`, `(inputs,
     labels)`, a tensor), with `loss_fn` as given to engine.initialize: a user model's activations, logits and
     loss are measured by one forward of it (engine.planning.batch). Without it they are measured at
-    model.seq_length, a guess: the plan then reports no fit and "auto" is refused."""
+    model.seq_length, a guess: the plan then reports no fit and "auto" is refused (engine.initialize without one
+    plans at the first micro-batch: engine.first_batch)."""
     p = planner(config, model, gpu_budget_bytes=gpu_budget_bytes, host_budget_bytes=host_budget_bytes,
                 device=device, data_parallel_size=data_parallel_size, measure_activations=measure_activations,
                 example_input=example_input, example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
@@ -117,7 +118,8 @@ def resolve(p: Planner) -> Plan:
     if any(auto.values()) and not p.census.batch_seen:
         keys = " and ".join(f'{k}="auto"' for k, a in auto.items() if a)
         raise NothingFits(f"{keys} needs the activations of the model's own batches: pass example_batch= (one "
-                          "micro-batch) to engine.initialize / engine.plan, or set a number")  # fmt: skip
+                          "micro-batch) to engine.plan, or set a number (engine.initialize without one chooses at "
+                          "the first micro-batch)")  # fmt: skip
     if any(auto.values()):
         chosen = p.resolve(fraction, layers)
     else:

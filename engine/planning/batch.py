@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from engine.batch import BatchLoss, takes_labels
+from engine.batch import BatchLoss, is_causal_lm, takes_labels
 from engine.models.linear_cross_entropy import fused_linear_cross_entropy_bytes
 from engine.planning.activations import Activations, Saved, backward_working
 
@@ -94,7 +94,7 @@ def measure_batch(
                 handles.append(sub.register_forward_pre_hook(functools.partial(_push, stack=stack, name=name)))
                 handles.append(sub.register_forward_hook(functools.partial(_pop, stack=stack)))
     devices = [device.index or 0] if device.type == "cuda" else []
-    run = BatchLoss(loss_fn, takes_labels(model), float_dtype)
+    run = BatchLoss(loss_fn, takes_labels(model, loss_fn), float_dtype, is_causal_lm(model))  # as the engine's
     run.fused = fused
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), autocast or contextlib.nullcontext():

@@ -234,15 +234,14 @@ def _measure_batch(cfg: Config, model: nn.Module, layers: list, batch: Any, loss
     return acts
 
 
-def _fused_loss(cfg: Config, model: nn.Module, loss_fn: Any) -> tuple[nn.Linear, int] | None:
-    """(output head, chunk tokens) when model.fused_linear_cross_entropy computes the loss (the engine refuses it
-    beside a loss_fn, and names the key for a model without an output head: so does this)."""
+def _fused_loss(cfg: Config, model: nn.Module, loss_fn: Any) -> tuple[nn.Module, int] | None:
+    """(output head, chunk tokens) when model.fused_linear_cross_entropy computes the loss (beside a loss_fn the
+    engine refuses it; so does engine.batch.fused_loss_head for a model without an output head)."""
     if not cfg.model.fused_linear_cross_entropy or loss_fn is not None:
         return None
-    from engine.batch import is_causal_lm
-    from engine.models.linear_cross_entropy import output_head
+    from engine.batch import fused_loss_head
 
-    return output_head(model, is_causal_lm(model)), cfg.model.fused_linear_cross_entropy_chunk_size
+    return fused_loss_head(model, True, None, cfg.model.fused_linear_cross_entropy_chunk_size)
 
 
 def _with_fused_loss(cfg: Config, model: nn.Module, acts: Activations, tokens: int) -> Activations:

@@ -29,7 +29,8 @@ def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int
 
     On a CPU run the GPU check does not apply (the device is the host; the host check does). A given model's
     activations are measured at `example_batch` (engine.planning.batch); without one they are not counted (the
-    refusal is then on weights and optimizer alone, a lower bound) and "auto" is refused."""
+    refusal is then on weights and optimizer alone, a lower bound) and "auto" is refused: initialize then checks
+    again at the first micro-batch, and chooses "auto" there (engine.first_batch)."""
     global _last
     budgets = budgets or Budgets()
     p = planner(cfg, model, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
