@@ -28,7 +28,7 @@ from engine.planning import preflight
 from engine.planning.budget import Budgets
 from engine.schedule import WarmupDecayLR
 
-AUTO_KEYS = ("optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers")
+AUTO_KEYS = ("optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers", "model.recompute_num_layers")
 
 
 def auto_keys(cfg: Config) -> list[str]:
@@ -179,19 +179,22 @@ def agree(result: Config | Exception, world: int) -> Config:
         if refused is not None and not isinstance(result, Exception):
             result = ConfigError([f"rank {refused[0]}: {refused[1]}"])
         if not isinstance(result, Exception):
-            _, fraction, layers = max(c for _, c in every)
+            _, fraction, layers, recomputed = max((c for _, c in every), key=lambda c: c[0])
             o, m = result.optimizer, result.model
             result = replace(result, optimizer=replace(o, optimizer_offload_fraction=fraction),
-                             model=replace(m, cpu_offloading_num_layers=layers))  # fmt: skip
+                             model=replace(m, cpu_offloading_num_layers=layers,
+                                           recompute_num_layers=recomputed))  # fmt: skip
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def _choice(cfg: Config) -> tuple[int, Any, Any]:
+def _choice(cfg: Config) -> tuple[int, Any, Any, Any]:
+    """(GPU bytes of this rank's plan, the values "auto" may choose)."""
     last = preflight.last()
     peak = last[1].gpu.total_bytes if last is not None else 0
-    return peak, cfg.optimizer.optimizer_offload_fraction, cfg.model.cpu_offloading_num_layers
+    m = cfg.model
+    return peak, cfg.optimizer.optimizer_offload_fraction, m.cpu_offloading_num_layers, m.recompute_num_layers
 
 
 class Deferred:

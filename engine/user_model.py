@@ -97,7 +97,7 @@ def prepare(model: nn.Module, m: ModelConfig, wrap: bool = True) -> str | None:
     except ValueError as e:
         raise ValueError(f'model.recompute_granularity="full" wraps each transformer layer, but {e}') from None
     every = [layer for _, layers in stacks for layer in layers]  # forward order, as offloading counts them
-    if not wrap and m.cpu_offloading and m.cpu_offloading_num_layers == "auto":
+    if not wrap and "auto" in (m.cpu_offloading_num_layers, m.recompute_num_layers):
         return describe_stacks(stacks)
     offloaded = int(m.cpu_offloading_num_layers) if m.cpu_offloading else 0
     count = m.recompute_num_layers

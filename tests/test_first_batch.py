@@ -157,3 +157,14 @@ def test_out_of_memory_in_the_plans_forward_of_the_first_micro_batch_is_one_line
                                                       r"\(now 2\)"):  # fmt: skip
         eng.train_batch(iter(batches(2)))
     assert eng._optimizer is None
+
+
+def test_an_auto_number_of_recomputed_layers_is_chosen_there_too():
+    data, budgets = batches(2), budget.Budgets(host_bytes=8 << 30)
+    auto = {**AUTO, "model": {**AUTO["model"], "recompute_granularity": "full", "recompute_num_layers": "auto"}}
+    eng, _, _ = engine.initialize(model=llama(), config=config(auto), memory_budgets=budgets)
+    assert eng.config.model.recompute_num_layers == "auto"
+    loss = eng.train_batch(iter(data))
+    ref, _, _ = engine.initialize(model=llama(), config=config(auto), example_batch=data[0], memory_budgets=budgets)
+    assert isinstance(eng.config.model.recompute_num_layers, int) and ref.config == eng.config
+    assert ref.train_batch(iter(data)) == loss
