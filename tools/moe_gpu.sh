@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (estimate 5-7 min on one H200, not yet measured; the bench is stopped at 450 s): Qwen3-30B-A3B's
+# One device call (estimate 5-7 min on one H200, not yet measured; the bench is stopped at 450 s and --json keeps the
+# rows finished by then; the probe builds all 48 layers, 61 GB, once to plan the depth): Qwen3-30B-A3B's
 # layer shape (HF Qwen3MoeForCausalLM: hidden 2048, 32 heads of 128, 4 KV heads, 128 experts of MLP 768 in every
 # layer, 8 per token, vocab 151936; random init on the GPU in bf16, train.params_dtype=half, bf16, clip 1.0),
 # seq 4096, micro-batch 1, 8 micro-batches per step (the seed's minimal command: global batch 8), overlap on.
@@ -9,6 +10,8 @@
 # 0 (no optimizer offload), 0.25, 0.5, 1; 2 warm-up + 3 measured iterations each. The table puts each row's
 # iteration time over f=0's beside the seed's Megatron figures for Qwen3-30B-A3B (about 1.9x at 25%, 4.2x at
 # 100%; 50% interpolated on its linear scaling). TFLOP/s count the active parameters (an expert weight at 8/128).
+# transformers 5 holds each layer's experts as two 3-D tensors run by grouped_mm; a version that loops over 128
+# expert modules instead trains the same but each iteration takes longer (many small kernels).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
 #   tools/moe_gpu.sh .whl
 # LAYERS=N runs every row at N layers instead (a row the plan refuses there is a row saying why).
