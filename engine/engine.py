@@ -29,6 +29,8 @@ from engine.precision import DTYPES, LossScaler, autocast
 from engine.skips import SkippedSteps
 from engine.weights import ReadableWeights
 
+DEEP_LAYERS = 1000  # building a GPT costs ~10 ms per layer on the meta device alone: say so before a silent minute
+
 
 def _pick_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
@@ -377,6 +379,9 @@ def initialize(
     torch.manual_seed(cfg.train.seed)
     half = DTYPES[cfg.train.precision] if cfg.train.params_dtype == "half" else None
     if model is None:  # built on the meta device, materialised on `device` in its final dtype
+        if cfg.model.num_layers >= DEEP_LAYERS and (planned := preflight.last()) is not None:
+            dist.log(f"building the GPT: {cfg.model.num_layers} layers, {planned[1].parameters / 1e9:.1f} B "
+                     f"parameters, on {device.type} (at this depth building takes minutes)", flush=True)  # fmt: skip
         model = build_model(cfg.model, device, cfg.train.seed, half or torch.float32)
     elif extras.is_megatron_gpt(model):  # a user's megatron-core GPTModel gets the adapter
         from engine import megatron

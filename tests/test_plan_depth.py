@@ -95,3 +95,144 @@ def test_auto_evaluates_a_logarithmic_number_of_plans(monkeypatch, where):
     bound = 16 * math.log2(512) ** (2 if where == "nothing fits" else 1)
     assert counts[512] <= bound, counts
     assert counts[512] < 512  # fewer plans than layers
+
+
+# --- the census per distinct layer shape, the plan over counts ---------------------------------------------------
+
+
+def per_layer_census(cfg, cuda: bool):
+    """The reference: the built-in GPT built at full depth, every layer a run of its own (no counts)."""
+    import torch
+
+    from engine.build import gpt_shape
+    from engine.models.gpt import GPT
+    from engine.optim.partition import forward_order
+    from engine.planning.census import Census, _groups, _layer_index, _training_bytes, builtin_census
+    from engine.planning.runs import runs_of
+
+    with torch.device("meta"):
+        model = GPT(**gpt_shape(cfg.model))
+    named = dict((n, p) for n, p in model.named_parameters())
+    order = forward_order(list(named))
+    half = cfg.train.params_dtype == "half"
+    runs = runs_of([(n, named[n].numel()) for n in order], _groups(order, {n: _layer_index(n) for n in order}),
+                   compress=False)  # fmt: skip
+    counted = builtin_census(cfg, cuda=cuda)
+    return Census(
+        runs=runs,
+        n_layers=cfg.model.num_layers,
+        activations=counted.activations,
+        builtin=True,
+        weight_bytes=sum(_training_bytes(x, half) for x in [*model.parameters(), *model.buffers()]),
+    )
+
+
+def test_the_census_builds_one_layer_per_distinct_shape(monkeypatch):
+    from engine.models import gpt
+    from engine.planning.census import builtin_census
+
+    built = [0]
+    real = gpt.TransformerLayer.__init__
+
+    def counting(self, *args, **kwargs):
+        built[0] += 1
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpt.TransformerLayer, "__init__", counting)
+    census = builtin_census(deep_cfg(100_000), cuda=True)
+    assert built[0] <= 2  # not 100,000
+    assert [r.count for r in census.runs] == [1, 100_000, 1]
+    small = deep_cfg(7)
+    counted, reference = builtin_census(small, cuda=True), per_layer_census(small, cuda=True)
+    assert counted.expanded() == reference.expanded()
+    assert counted.weight_bytes == reference.weight_bytes and counted.parameters == reference.parameters
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"model": {"cpu_offloading_double_buffering": True}},
+     {"model": {"cpu_offloading": False, "recompute_granularity": "full", "recompute_num_layers": 3}},
+     {"model": {"cpu_offloading": False, "fine_grained_activation_offloading": True, "offload_modules": ["mlp"]}},
+     {"optimizer": {"overlap_cpu_optimizer_d2h_h2d": False, "cpu_offload_gpu_assist": False}, "world": 2}],
+)  # fmt: skip
+def test_the_plan_over_counts_equals_the_plan_layer_by_layer(extra):
+    """Identical layers counted once (closed forms over runs, the backward's worst layer among the points where
+    a per-layer figure changes) give the plan of the same model listed layer by layer, byte for byte."""
+    from engine.planning.auto import Planner
+    from engine.planning.memory import settings_of
+
+    world = extra.pop("world", 1)
+    base = {"model": {"num_layers": 9, "hidden_size": 96, "num_attention_heads": 4, "seq_length": 300,
+                      "cpu_offloading": True, "cpu_offloading_num_layers": 1},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8 * world, "params_dtype": "half",
+                      "precision": "bf16"},
+            "optimizer": {"optimizer_cpu_offload": True, "use_distributed_optimizer": True,
+                          "overlap_cpu_optimizer_d2h_h2d": True, "cpu_offload_gpu_assist": True}}  # fmt: skip
+    for section, values in extra.items():
+        base[section] = {**base[section], **values}
+    cfg = load_config(base)
+    for cuda in (True, False):
+        counted = planner(cfg, gpu_budget_bytes=GIB if cuda else None, host_budget_bytes=GIB,
+                          device="cuda" if cuda else "cpu", data_parallel_size=world)  # fmt: skip
+        listed = Planner(cfg, per_layer_census(cfg, cuda), settings_of(cfg, world), cuda=cuda,
+                         gpu_budget=counted.gpu_budget, host_budget=GIB)  # fmt: skip
+        assert [r.count for r in listed.census.runs].count(1) == len(listed.census.runs)
+        for fraction in (0.0, 0.07, 0.5, 0.93, 1.0):
+            for k in range(9):
+                assert counted.evaluate(fraction, k).to_json() == listed.evaluate(fraction, k).to_json()
+
+
+def test_offload_count_follows_the_parameter_by_parameter_rule():
+    import random
+
+    from engine.optim.partition import offload_count
+
+    def one_by_one(numels, fraction):  # the rule as the split states it, parameter by parameter
+        target, acc, taken = fraction * sum(numels), 0, 0
+        for n in reversed(numels):
+            if acc >= target or acc + n - target > target - acc:
+                break
+            acc, taken = acc + n, taken + 1
+        return taken
+
+    rng = random.Random(0)
+    for _ in range(300):
+        runs = [(tuple(rng.randint(1, 50) for _ in range(rng.randint(1, 4))), rng.randint(1, 30))
+                for _ in range(rng.randint(1, 4))]  # fmt: skip
+        numels = [n for t, c in runs for _ in range(c) for n in t]
+        for fraction in (0.0, rng.random(), 0.5, 1.0):
+            assert offload_count(runs, fraction) == one_by_one(numels, fraction)
+
+
+def test_plan_at_100000_layers_answers():
+    """`--plan` of a 100,000-layer model answers (it used to run for minutes): the 13 B shape names the
+    largest depth that fits; the default config prints its plan."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    train = [sys.executable, str(root / "bin" / "train")]
+    args = [
+        "configs/13b-h200.json",
+        "model.num_layers=100000",
+        "--plan",
+        "--gpu-memory",
+        "139.2",
+        "--host-memory",
+        "125",
+    ]
+    deep = subprocess.run([*train, *args], cwd=root, capture_output=True, text=True, timeout=300)
+    assert deep.returncode == 2 and "99999 offloaded layers" in deep.stderr + deep.stdout
+    assert "at most 46 layers (14.5 B parameters) fit" in deep.stderr + deep.stdout
+    default = subprocess.run([*train, "configs/default.json", "model.num_layers=100000", "--plan"], cwd=root,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "memory plan: 19.83 B parameters" in default.stdout, default.stdout + default.stderr
+
+
+def test_initialize_says_so_before_building_a_deep_gpt(monkeypatch, capsys, make_engine):
+    import engine.engine
+
+    monkeypatch.setattr(engine.engine, "DEEP_LAYERS", 2)
+    make_engine()
+    assert "building the GPT: 2 layers" in capsys.readouterr().out

@@ -45,6 +45,17 @@ def speculation_units(unit_numels: list[int], spare_bytes_per_element: int, budg
     return chosen
 
 
+def _spare_bytes(unit_numels: list[int], repeats: list[int], per_elem: int, budget_bytes: int) -> int:
+    """The bytes of the spares `speculation_units` gives, for units given as (size, repeats) runs: a run of one
+    size takes as many as still fit, which is what unit by unit would take."""
+    used = 0
+    for u, r in zip(reversed(unit_numels), reversed(repeats), strict=True):
+        b = u * per_elem
+        if b:
+            used += b * min(r, (budget_bytes - used) // b)
+    return used
+
+
 def speculates(kind: str, use_torch: bool, speculate: bool, speculation_buffer_bytes: int) -> bool:
     """Whether the CPU part steps units out of place during backward (the engine's own AdamW only)."""
     return speculate and kind == "adam" and not use_torch and speculation_buffer_bytes > 0
@@ -62,6 +73,7 @@ def cpu_side_host_bytes(
     exp_avg_bytes: int = _FP32,
     exp_avg_sq_bytes: int = _FP32,
     remainders: bool = False,
+    repeats: list[int] | None = None,
 ) -> dict[str, int]:
     """Bytes of host memory the CPU-stepped part holds in steady state (after its first step), by part.
 
@@ -71,6 +83,8 @@ def cpu_side_host_bytes(
     speculate: overlap is on (speculation needs it). exp_avg_bytes, exp_avg_sq_bytes: the moments' element
     sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16). remainders: the master
     held as int16 remainders of bf16 weights (optimizer.store_param_remainders), stepped in place only.
+    repeats: unit_numels[i] stands for repeats[i] consecutive units of that size (a deep model's identical
+    layers, counted once).
     For SGD "momentum_buffer" is torch's, which exists only
     with a momentum above 0 (the plan counts it either way).
     """
@@ -80,8 +94,9 @@ def cpu_side_host_bytes(
                       ("speculation_buffer_bytes", speculation_buffer_bytes)):  # fmt: skip
         if val < 0:
             raise ValueError(f"{name}={val} is invalid: expected >= 0")
-    n = sum(unit_numels)
-    largest = max(unit_numels, default=0)
+    repeats = [1] * len(unit_numels) if repeats is None else repeats
+    n = sum(u * r for u, r in zip(unit_numels, repeats, strict=True))
+    largest = max((u for u, r in zip(unit_numels, repeats, strict=True) if r), default=0)
     parts = {"master": (REMAINDER_BYTES if remainders else _FP32) * n}
     if kind == "adam":
         parts["exp_avg"] = exp_avg_bytes * n
@@ -90,11 +105,10 @@ def cpu_side_host_bytes(
         parts["momentum_buffer"] = _FP32 * n
     parts["grad_staging"] = grad_bytes * n
     parts["grad_scratch"] = _FP32 * largest if (use_torch or kind != "adam") else 0
-    parts["weight_staging"] = min(WEIGHT_RING, len(unit_numels)) * half_bytes * largest
+    parts["weight_staging"] = min(WEIGHT_RING, sum(repeats)) * half_bytes * largest
     spec = 0
     if speculates(kind, use_torch, speculate and not remainders, speculation_buffer_bytes):
         per_elem = _FP32 + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
-        chosen = speculation_units(unit_numels, per_elem, speculation_buffer_bytes)
-        spec = sum(unit_numels[i] * per_elem for i in chosen)
+        spec = _spare_bytes(unit_numels, repeats, per_elem, speculation_buffer_bytes)
     parts["speculation"] = spec
     return parts

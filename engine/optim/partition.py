@@ -16,19 +16,46 @@ import torch
 
 def split_for_offload(named: list[tuple[str, torch.Tensor]], fraction: float) -> set[str]:
     """Names of the parameters stepped on the CPU: the output-side run of `named` holding ~fraction of elements."""
-    total = sum(p.numel() for _, p in named)
-    target = fraction * total
-    chosen: set[str] = set()
-    acc = 0
-    for name, p in reversed(named):
-        if acc >= target:
-            break
-        n = p.numel()
-        if acc + n - target > target - acc:  # taking it overshoots by more than leaving it undershoots
-            break
-        chosen.add(name)
-        acc += n
-    return chosen
+    taken = offload_count([(tuple(p.numel() for _, p in named), 1)], fraction)
+    return {name for name, _ in named[len(named) - taken :]}
+
+
+def offload_count(runs: list[tuple[tuple[int, ...], int]], fraction: float) -> int:
+    """How many parameters, from the output end, the CPU steps at `fraction`: each is taken while the element
+    count is short of the target and taking it overshoots by no more than leaving it undershoots.
+
+    runs: the element counts in forward order as (one repetition's counts, repetitions), so the memory plan of
+    a deep model of identical layers asks without listing them; whole repetitions are counted by bisection
+    (taking gets harder as the count grows)."""
+    target = fraction * sum(sum(t) * c for t, c in runs)
+
+    def takes(acc: int, n: int) -> bool:
+        return not (acc >= target or acc + n - target > target - acc)
+
+    def whole(acc: int, rev: tuple[int, ...]) -> bool:  # every count of one repetition taken from `acc` on
+        for n in rev:
+            if not takes(acc, n):
+                return False
+            acc += n
+        return True
+
+    acc = taken = 0
+    for template, count in reversed(runs):
+        rev, size = template[::-1], sum(template)
+        lo, hi = 0, count  # the repetitions taken whole
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if whole(acc + (mid - 1) * size, rev):
+                lo = mid
+            else:
+                hi = mid - 1
+        acc, taken = acc + lo * size, taken + lo * len(template)
+        if lo < count:  # the first repetition not taken whole: its tail
+            for n in rev:
+                if not takes(acc, n):
+                    return taken
+                acc, taken = acc + n, taken + 1
+    return taken
 
 
 def forward_order(names: list[str]) -> list[str]:

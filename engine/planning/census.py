@@ -19,8 +19,10 @@ from torch import nn
 from engine.build import gpt_shape
 from engine.config import Config
 from engine.models.linear_cross_entropy import fused_linear_cross_entropy_bytes
+from engine.optim.distributed import partition
 from engine.optim.partition import forward_order, unit_of
 from engine.planning.activations import Activations, gpt_activations, measured_activations
+from engine.planning.runs import ParamRun, runs_of
 from engine.precision import autocast
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -40,58 +42,120 @@ class Sized:
 
 @dataclass(frozen=True)
 class Census:
-    named: list[tuple[str, Sized]]  # trainable parameters, forward order (the hybrid optimizer's order)
-    layer_of: dict[str, int | None]  # the transformer layer of each trainable name; None: outside the layers
+    """The model as the plan sees it. Its trainable parameters, in forward order (the hybrid optimizer's), are
+    `runs` (engine.planning.runs: identical consecutive layers stored once with a count), given as such or
+    derived from `named` and `layer_of`."""
+
     weight_bytes: int  # every parameter and buffer as training holds it on the device
     n_layers: int
     activations: Activations
     builtin: bool
+    named: list[tuple[str, Sized]] | None = None  # trainable parameters, forward order (None: given as runs)
+    layer_of: dict[str, int | None] | None = None  # the transformer layer of each name; None: outside the layers
+    runs: tuple[ParamRun, ...] = ()
     host_model_bytes: int = 0  # a given model's bytes now in host memory (freed when it moves to the GPU)
     notes: tuple[str, ...] = ()
     batch_seen: bool = True  # a user's model: its activations measured at a batch of its own (else not claimed)
-    unit: dict[str, str] = field(default_factory=dict)  # engine.optim.partition.unit_of of each name
-
-    numels: dict[str, int] = field(default_factory=dict)
-    position: dict[str, int] = field(default_factory=dict)
-    group_of: dict[str, int | str] = field(default_factory=dict)  # layer index, "output" side or "input" side
-    group_numel: dict[int | str, int] = field(default_factory=dict)
-    split_cache: dict = field(default_factory=dict)
+    split_cache: dict = field(default_factory=dict)  # the plan's per-fraction figures (engine.planning.memory)
 
     def __post_init__(self) -> None:
-        # lookups the plan's arithmetic makes many times, derived once
-        self.unit.clear()
-        self.unit.update({n: unit_of(n) for n, _ in self.named})
-        self.numels.update({n: p.n for n, p in self.named})
-        self.position.update({n: i for i, (n, _) in enumerate(self.named)})
-        first = next((i for i, (n, _) in enumerate(self.named) if self.layer_of[n] is not None), len(self.named))
-        for i, (n, p) in enumerate(self.named):
-            layer = self.layer_of[n]
-            g = layer if layer is not None else ("output" if i > first else "input")
-            self.group_of[n] = g
-            self.group_numel[g] = self.group_numel.get(g, 0) + p.n
+        if not self.runs and self.named:
+            names = [n for n, _ in self.named]
+            object.__setattr__(self, "runs", runs_of([(n, p.n) for n, p in self.named], _groups(names, self.layer_of)))
 
     @functools.cached_property
     def parameters(self) -> int:
-        return sum(p.n for _, p in self.named)
+        return sum(r.size * r.count for r in self.runs)
+
+    @functools.cached_property
+    def layer_pieces(self) -> list[tuple[int, int, int]]:
+        """(first layer, end, elements per layer) covering every layer's parameters."""
+        out = []
+        for r in self.runs:
+            if r.count > 1:
+                out.append((r.layer(0), r.layer(r.count), r.size))
+            else:
+                out += [(g, g + 1, n) for g, n in zip(r.groups, r.numels, strict=True) if isinstance(g, int)]
+        return out
+
+    @functools.cached_property
+    def side_numel(self) -> dict[str, int]:
+        """Elements outside the layers: "input" (before the first layer) and "output" sides."""
+        out = {"input": 0, "output": 0}
+        for r in self.runs:
+            for g, n in zip(r.groups, r.numels, strict=True):
+                if isinstance(g, str):
+                    out[g] += n * r.count
+        return out
+
+    @functools.cached_property
+    def activation_runs(self) -> list[tuple[int, int, list]]:
+        """(first layer, end, saved storages) of consecutive layers that save the same list."""
+        out: list[tuple[int, int, list]] = []
+        for i, entries in enumerate(self.activations.layers):
+            if out and out[-1][2] is entries:
+                out[-1] = (out[-1][0], i + 1, entries)
+            else:
+                out.append((i, i + 1, entries))
+        return out
+
+    def owned_runs(self, world: int) -> tuple[ParamRun, ...]:
+        """The runs of the parameters the busiest of `world` ranks owns (engine.optim.distributed's partition),
+        parameter by parameter: the distributed optimizer's shards do not repeat layer by layer."""
+        key = ("owned", world)
+        if key not in self.split_cache:
+            named = self.expanded()
+            owners = partition([x for _, x, _ in named], world)
+            loads = [0] * world
+            for (_, x, _), o in zip(named, owners, strict=True):
+                loads[o] += x
+            busiest = max(range(world), key=lambda r: loads[r])
+            mine = [(n, x, g) for (n, x, g), o in zip(named, owners, strict=True) if o == busiest]
+            self.split_cache[key] = runs_of([(n, x) for n, x, _ in mine], [g for _, _, g in mine], compress=False)
+        return self.split_cache[key]
+
+    def expanded(self) -> list[tuple[str, int, int | str]]:
+        """Every trainable (name, numel, gradient group), forward order (slow at great depth: for tests)."""
+        out = []
+        for r in self.runs:
+            for j in range(r.count):
+                out += [(n, x, g + j if isinstance(g, int) else g)
+                        for (n, x), g in zip(r.named(j), r.groups, strict=True)]  # fmt: skip
+        return out
 
     def truncated(self, layers: int, weight_elem: int) -> Census:
         """The same model with only its first `layers` layers (for "what depth would fit"), each layer's
         weights taken as the first's parameters at weight_elem bytes each."""
-        weight_bytes_per_layer = weight_elem * sum(p.n for n, p in self.named if self.layer_of[n] == 0)
-        keep = [(n, p) for n, p in self.named if self.layer_of[n] is None or self.layer_of[n] < layers]
+        per_layer = weight_elem * sum(n for a, b, n in self.layer_pieces if a <= 0 < b)
+        runs = []
+        for r in self.runs:
+            if r.count > 1:
+                keep = max(0, min(r.count, layers - r.layer(0)))
+                runs += [replace(r, count=keep)] if keep else []
+                continue
+            idx = [i for i, g in enumerate(r.groups) if not isinstance(g, int) or g < layers]
+            if idx:
+                runs.append(ParamRun(*(tuple(getattr(r, f)[i] for i in idx) for f in ("names", "numels", "units",
+                                                                                       "groups"))))  # fmt: skip
         acts = replace(self.activations, layers=self.activations.layers[:layers])
-        weights = self.weight_bytes - (self.n_layers - layers) * weight_bytes_per_layer
         return Census(
-            named=keep,
-            layer_of={n: self.layer_of[n] for n, _ in keep},
+            runs=tuple(runs),
             n_layers=layers,
             activations=acts,
-            weight_bytes=weights,
+            weight_bytes=self.weight_bytes - (self.n_layers - layers) * per_layer,
             builtin=self.builtin,
             host_model_bytes=self.host_model_bytes,
             notes=self.notes,
             batch_seen=self.batch_seen,
         )
+
+
+def _groups(names: list[str], layer_of: dict[str, int | None] | None) -> list[int | str]:
+    """Each name's gradient group: its layer, else "input" before the first layer's parameters, "output" after."""
+    layer_of = layer_of or {}
+    first = next((i for i, n in enumerate(names) if layer_of.get(n) is not None), len(names))
+    return [g if (g := layer_of.get(n)) is not None else ("output" if i > first else "input")
+            for i, n in enumerate(names)]  # fmt: skip
 
 
 def _training_bytes(t: torch.Tensor, half: bool) -> int:
@@ -108,12 +172,19 @@ def builtin_census(cfg: Config, *, cuda: bool, num_layers: int | None = None) ->
     layers = m.num_layers if num_layers is None else num_layers
     shape = gpt_shape(m, layers)
     ffn = shape["ffn_hidden_size"]
+    # identical layers are counted once: the GPT is built at two layers and its layer run given the depth
+    built = min(layers, 2)
     with torch.device("meta"):
-        model = GPT(**shape)
+        model = GPT(**gpt_shape(m, built))
     half = t.params_dtype == "half"
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     order = forward_order([n for n, _ in named])
     by_name = dict(named)
+    runs = runs_of([(n, by_name[n].numel()) for n in order], _groups(order, {n: _layer_index(n) for n in order}))
+    runs = tuple(replace(r, count=layers) if r.count == built > 1 else r for r in runs)
+    tensors = [(n, x) for n, x in [*model.named_parameters(), *model.named_buffers()]]
+    per_layer = sum(_training_bytes(x, half) for n, x in tensors if n.startswith("layers.0."))
+    outside = sum(_training_bytes(x, half) for n, x in tensors if _layer_index(n) is None)
     acts = gpt_activations(num_layers=layers, hidden=m.hidden_size, ffn=ffn, heads=m.num_attention_heads,
                            seq=m.seq_length, vocab=m.vocab_size, micro_batch=t.micro_batch_size,
                            precision=t.precision, params_dtype=t.params_dtype, recompute=m.recompute_granularity,
@@ -122,9 +193,8 @@ def builtin_census(cfg: Config, *, cuda: bool, num_layers: int | None = None) ->
     if m.use_te:
         notes.append("Transformer Engine layers are planned as the built-in GPT's of the same shape")
     return Census(
-        named=[(n, Sized(by_name[n].numel())) for n in order],
-        layer_of={n: _layer_index(n) for n in order},
-        weight_bytes=sum(_training_bytes(p, half) for p in [*model.parameters(), *model.buffers()]),
+        runs=runs,
+        weight_bytes=outside + layers * per_layer,
         n_layers=layers,
         activations=acts,
         builtin=True,

@@ -31,12 +31,12 @@ from engine.offload.api import DEFAULT_MIN_BYTES, reload_lookahead
 from engine.offload.pool import host_buffer_bytes
 from engine.offload.session import double_buffer_bytes
 from engine.optim.delayed import shadow_gpu_bytes
-from engine.optim.distributed import partition
 from engine.optim.gpu_assist import assist_gpu_bytes
 from engine.optim.host_plan import STATE_BYTES, cpu_side_host_bytes
-from engine.optim.partition import split_for_offload
+from engine.optim.partition import offload_count
 from engine.planning.activations import Saved
 from engine.planning.census import Census
+from engine.planning.runs import Steps, Suffix, suffix
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -188,11 +188,12 @@ def _selected(owners: tuple[tuple[str, str], ...], selectors: tuple[str, ...]) -
     return any(path in selectors or cls in selectors for path, cls in owners)
 
 
-def _moves(s: Settings, layer: int, k: int, e: Saved) -> bool:
-    """Whether storage e of `layer` lives on the host between forward and backward."""
+def _moves(s: Settings, offloaded: bool, e: Saved) -> bool:
+    """Whether storage e of a layer (`offloaded`: one of the first k) lives on the host between forward and
+    backward."""
     if e.nbytes <= s.min_bytes:
         return False
-    if s.layer_offload and layer < k:
+    if offloaded:
         return s.offload_weights if e.weight_copy else s.offload_activations
     return bool(s.fine_grained) and not e.weight_copy and _selected(e.owners, s.fine_grained)
 
@@ -211,26 +212,15 @@ def recomputed_count(c: Census, s: Settings, k: int, r: int | None = None) -> in
 def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu_budget: int | None,
              host_budget: int | None, r: int | None = None) -> Plan:  # fmt: skip
     """The plan at one offload fraction, k offloaded layers (ignored without model.cpu_offloading) and r layers
-    recomputed after them (None: as the config says; ignored without model.recompute_granularity="full")."""
+    recomputed after them (None: as the config says; ignored without model.recompute_granularity="full").
+    Layers of one shape are counted together (engine.planning.runs): the cost follows the number of distinct
+    layers, not the depth."""
     k = k if s.layer_offload else 0
     r = recomputed_count(c, s, k, r)
     fraction = fraction if s.cpu_offload else 0.0
-    named = c.named
-    owned = named
-    if s.distributed:  # the rank owning the most elements (engine.optim.distributed's partition)
-        owners = partition([p.n for _, p in named], s.world)
-        loads = [sum(p.n for (_, p), o in zip(named, owners, strict=True) if o == r) for r in range(s.world)]
-        busiest = max(range(s.world), key=lambda r: loads[r])
-        owned = [(n, p) for (n, p), o in zip(named, owners, strict=True) if o == busiest]
-    key = (fraction, len(owned))
-    if key not in c.split_cache:  # "auto" asks for the same fraction at many layer counts
-        c.split_cache[key] = frozenset(split_for_offload(owned, fraction)) if fraction > 0 else frozenset()
-    cpu_names = c.split_cache[key]
-    numel = c.numels
-    if ("n", key) not in c.split_cache:
-        c.split_cache[("n", key)] = sum(numel[n] for n in cpu_names)
-    n_cpu = c.split_cache[("n", key)]
-    n_gpu_side = (c.parameters if owned is named else sum(p.n for _, p in owned)) - n_cpu
+    cpu, n_owned = _cpu_side(c, s, fraction)
+    n_cpu = cpu.numel
+    n_gpu_side = n_owned - n_cpu
 
     g_final = 4 if s.main_grads else s.weight_elem
     g_acc = 4 if s.main_grads else (s.weight_elem if s.micro_batches > 1 else 0)
@@ -239,78 +229,35 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
         "weights": c.weight_bytes,
         "master_weights": 4 * n_gpu_side if s.half else 0,
         "optimizer_states": states * n_gpu_side,
-        "gpu_assist_slots": 0,
+        "gpu_assist_slots": assist_gpu_bytes(cpu.largest, g_final) if s.gpu_assist and cpu.units else 0,
         "ddp_buckets": c.parameters * g_final if s.world > 1 else 0,
         "delayed_update_shadow": shadow_gpu_bytes(n_cpu, s.weight_elem) if s.delayed else 0,
     }
-    if s.gpu_assist and cpu_names:
-        largest = max(numel[n] for n in cpu_names)
-        persistent["gpu_assist_slots"] = assist_gpu_bytes(largest, g_final)
-
-    # activations, layer by layer: what stays on the device, what moves (its stash sizes)
     acts = c.activations
-    dev, moved = [], []
-    seen: dict[tuple[int, bool], tuple[int, list[int]]] = {}  # layers usually share one list of storages
-    kept: dict[int, list] = {}  # a recomputed layer's storages: what its checkpoint keeps
-    for i, entries in enumerate(acts.layers):
-        if k <= i < k + r:
-            if id(entries) not in kept:
-                first = next((e for e in entries if not e.weight_copy), None)
-                kept[id(entries)] = list(acts.checkpointed) if acts.checkpointed is not None else [first] * bool(first)
-            entries = kept[id(entries)]
-        key = (id(entries), s.layer_offload and i < k)
-        if key not in seen:
-            seen[key] = (sum(e.nbytes for e in entries if not _moves(s, i, k, e)),
-                         [e.nbytes for e in entries if _moves(s, i, k, e)])  # fmt: skip
-        dev.append(seen[key][0])
-        moved.append(seen[key][1])
-    moved_total = [sum(x) for x in moved]
-    slabs = double_buffer_bytes(list({id(m): m for m in moved}.values()))  # layers share their lists
-    n_moving = sum(1 for x in moved_total if x)
+    lay = _layer_activations(c, s, k, r, cuda)
     head = sum(e.nbytes for e in acts.head)
     head_kept = sum(e.nbytes for e in acts.head if e.what in ("tokens", "positions"))
 
     # gradient bytes: g_acc per element before its last-micro-batch gradient exists, then g_final (a
     # CPU-stepped one: 0 once shipped with overlap on, else g_final until the step)
     g_cpu = 0 if s.overlap else g_final
-    cpu_by_group: dict[int | str, int] = {}
-    for n in cpu_names:
-        g = c.group_of[n]
-        cpu_by_group[g] = cpu_by_group.get(g, 0) + numel[n]
-
-    def added(group: int | str) -> int:
-        """Bytes a group's gradients add once its backward has run (layer index, "output" or "input")."""
-        n_all, n_c = c.group_numel.get(group, 0), cpu_by_group.get(group, 0)
-        return (g_final - g_acc) * (n_all - n_c) + (g_cpu - g_acc) * n_c
-
     grads_before = g_acc * c.parameters
-    grads_after = grads_before + sum(added(g) for g in c.group_numel)
+    grads_after = grads_before + (g_final - g_acc) * (c.parameters - n_cpu) + (g_cpu - g_acc) * n_cpu
+    # per layer: what its gradients add once they exist (layer i's appear during its backward)
+    delta = Steps(c.n_layers, [(a, b, (g_final - g_acc) * n) for a, b, n in c.layer_pieces]
+                  + [(a, b, (g_cpu - g_final) * n) for a, b, n in cpu.by_layer])  # fmt: skip
+    out_all, out_cpu = c.side_numel["output"], cpu.by_side.get("output", 0)
+    grads_output = (g_final - g_acc) * (out_all - out_cpu) + (g_cpu - g_acc) * out_cpu  # its backward comes first
 
     phases: dict[str, dict[str, int]] = {}
-    phases["forward"] = {**persistent, "gradients": grads_before, "activations": sum(dev),
+    phases["forward"] = {**persistent, "gradients": grads_before, "activations": lay.dev.total,
                          "activations_outside_layers": head,
-                         "activation_offload_buffers": min(n_moving, 2) * max(moved_total, default=0),
+                         "activation_offload_buffers": min(lay.n_moving, 2) * lay.largest_moved,
                          "logits_and_loss": acts.logits_transient}  # fmt: skip
-    # backward, layer by layer from the last: names of the output side are done first, the input side's last
-    delta = [added(i) for i in range(c.n_layers)]  # per layer: what its gradients add once they exist
-    grads_now = grads_before + added("output")  # the output side's backward comes first
-    lookahead = reload_lookahead(c.n_layers, k, double_buffering=s.double_buffering, fine_grained=bool(s.fine_grained))
-    dev_below = [0] * (c.n_layers + 1)
-    for i, d in enumerate(dev):
-        dev_below[i + 1] = dev_below[i] + d
-    worst: dict[str, int] | None = None
     rebuilt = acts.recompute_working or (acts.layer_bytes(k) if r else 0)  # one recomputed layer, rebuilt
-    for i in reversed(range(c.n_layers)):
-        grads_now += delta[i]  # layer i's weight gradients appear during its backward
-        if s.double_buffering:
-            reload = slabs if any(moved_total[: i + 1]) else 0
-        else:
-            reload = sum(moved_total[max(0, i - lookahead) : i + 1])
-        ph = {**persistent, "gradients": grads_now, "activations": dev_below[i + 1],
-              "activations_outside_layers": head_kept, "activation_offload_buffers": reload,
-              "backward_working": acts.backward_working + (rebuilt if r else 0)}  # fmt: skip
-        if worst is None or sum(ph.values()) > sum(worst.values()):
-            worst = ph
+    base = {**persistent, "activations_outside_layers": head_kept,
+            "backward_working": acts.backward_working + (rebuilt if r else 0)}  # fmt: skip
+    worst = _worst_backward(c.n_layers, s, k, lay, delta, grads_before + grads_output, base)
     if worst is not None:
         phases["backward"] = worst
     phases["step"] = {**persistent, "gradients": grads_after,
@@ -322,34 +269,105 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     gpu = DevicePlan("cuda" if cuda else "cpu", gpu_parts, gpu_phase,
                      {p: sum(v.values()) for p, v in phases.items()}, gpu_budget if cuda else None)  # fmt: skip
 
-    host = _host_plan(c, s, cpu_names, named, g_final, moved, cuda, gpu, host_budget, n_cpu + n_gpu_side)
+    host = _host_plan(c, s, cpu, g_final, lay.pool, cuda, gpu, host_budget, n_owned)
     layer0 = acts.layer_bytes(0) if acts.layers else 0
     notes = list(c.notes)
     if s.world > 1:
         notes.append(f"planned for the rank holding the most optimizer state of {s.world}")
     return Plan(gpu=gpu, host=host, fraction=fraction, offloaded_layers=k, parameters=c.parameters,
                 cpu_parameters=n_cpu, layer_activation_bytes=layer0,
-                offloaded_layer_bytes=sum(e.nbytes for e in acts.layers[0] if _moves(s, 0, max(k, 1), e))
+                offloaded_layer_bytes=sum(e.nbytes for e in acts.layers[0] if _moves(s, s.layer_offload, e))
                 if acts.layers else 0, activations_source=acts.source,
                 notes=tuple(notes), batch_seen=c.batch_seen, recomputed_layers=r)  # fmt: skip
 
 
-def _host_plan(c: Census, s: Settings, cpu_names: set[str], named, g_final: int, moved: list[list[int]],
-               cuda: bool, gpu: DevicePlan, budget: int | None, n_owned: int) -> DevicePlan:  # fmt: skip
-    units: dict[str, int] = {}
-    for n in sorted(cpu_names, key=c.position.__getitem__):  # forward order, so the units are too
-        units[c.unit[n]] = units.get(c.unit[n], 0) + c.numels[n]
+def _cpu_side(c: Census, s: Settings, fraction: float) -> tuple[Suffix, int]:
+    """(the CPU-stepped parameters, the elements the planned rank owns) at `fraction`: the split of
+    engine.optim.partition over the rank's parameters (all of them without the distributed optimizer)."""
+    key = ("cpu", fraction, s.world if s.distributed else 1)
+    if key not in c.split_cache:  # "auto" asks for the same fraction at many layer counts
+        runs = c.owned_runs(s.world) if s.distributed else c.runs
+        taken = offload_count([(r.numels, r.count) for r in runs], fraction) if fraction > 0 else 0
+        c.split_cache[key] = (suffix(runs, taken), sum(r.size * r.count for r in runs))
+    return c.split_cache[key]
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Saved activations per layer: on the device (`dev`) and moved to the host (`moved`, per layer)."""
+
+    dev: Steps
+    moved: Steps
+    n_moving: int  # layers that move anything
+    largest_moved: int  # the most one layer moves
+    slabs: int  # the double buffer's two slabs
+    pool: int  # the host pool of every moved stash
+
+
+def _layer_activations(c: Census, s: Settings, k: int, r: int, cuda: bool) -> _Layers:
+    """Each run of layers that save the same storages, split where offloading (< k) and recompute (k..k+r-1)
+    change what they keep."""
+    acts = c.activations
+    dev, moved, groups = [], [], {}
+    pool = n_moving = largest = 0
+    for a, b, entries in c.activation_runs:
+        for lo, hi in ((a, min(b, k)), (max(a, k), min(b, k + r)), (max(a, k + r), b)):
+            if lo >= hi:
+                continue
+            kept = entries
+            if k <= lo < k + r:  # a recomputed layer keeps what its checkpoint keeps
+                first = next((e for e in entries if not e.weight_copy), None)
+                kept = list(acts.checkpointed) if acts.checkpointed is not None else [first] * bool(first)
+            offloaded = s.layer_offload and lo < k
+            stashes = [e.nbytes for e in kept if _moves(s, offloaded, e)]
+            dev.append((lo, hi, sum(e.nbytes for e in kept if not _moves(s, offloaded, e))))
+            moved.append((lo, hi, sum(stashes)))
+            groups[tuple(stashes)] = stashes
+            pool += (hi - lo) * sum(host_buffer_bytes(x, cuda) for x in stashes)
+            if stashes and sum(stashes):
+                n_moving += hi - lo
+                largest = max(largest, sum(stashes))
+    return _Layers(Steps(c.n_layers, dev), Steps(c.n_layers, moved), n_moving, largest,
+                   double_buffer_bytes(list(groups.values())), pool)  # fmt: skip
+
+
+def _worst_backward(n: int, s: Settings, k: int, lay: _Layers, delta: Steps, grads_start: int,
+                    base: dict[str, int]) -> dict[str, int] | None:  # fmt: skip
+    """The backward phase at its worst layer (ties: the later layer, the first backward reaches).
+
+    At layer i: the gradients of every layer from i up, the activations of layers 0..i, the reloads. Between
+    the points where a per-layer figure changes (and the reload window's edges) the total is linear in i, so
+    its maximum is at one of those points: only they are evaluated."""
+    lookahead = reload_lookahead(n, k, double_buffering=s.double_buffering, fine_grained=bool(s.fine_grained))
+    first_moving = next((a for a, _, v in lay.moved.pieces() if v), None)
+    kinks = {0, n, *lay.dev.starts, *lay.moved.starts, *delta.starts}
+    points = {i + d for q in kinks for i in (q, q + lookahead) for d in (-1, 0, 1)}
+    worst: dict[str, int] | None = None
+    for i in sorted((i for i in points if 0 <= i < n), reverse=True):
+        if s.double_buffering:
+            reload = lay.slabs if first_moving is not None and first_moving <= i else 0
+        else:
+            reload = lay.moved.prefix(i + 1) - lay.moved.prefix(max(0, i - lookahead))
+        ph = {**base, "gradients": grads_start + delta.total - delta.prefix(i), "activations": lay.dev.prefix(i + 1),
+              "activation_offload_buffers": reload}  # fmt: skip
+        if worst is None or sum(ph.values()) > sum(worst.values()):
+            worst = ph
+    return worst
+
+
+def _host_plan(c: Census, s: Settings, cpu: Suffix, g_final: int, pool: int, cuda: bool, gpu: DevicePlan,
+               budget: int | None, n_owned: int) -> DevicePlan:  # fmt: skip
     optimizer = {}
-    if cpu_names:
-        optimizer = cpu_side_host_bytes(list(units.values()), kind=s.kind, use_torch=s.use_torch,
+    if cpu.units:
+        optimizer = cpu_side_host_bytes([n for n, _ in cpu.units], kind=s.kind, use_torch=s.use_torch,
                                         half_bytes=2 if s.half else 0, grad_bytes=g_final,
                                         speculate=s.overlap and not s.delayed,
                                         speculation_buffer_bytes=s.speculation_bytes,
-                                        exp_avg_bytes=s.moment_bytes[0],
-                                        exp_avg_sq_bytes=s.moment_bytes[1], remainders=s.remainders)  # fmt: skip
+                                        exp_avg_bytes=s.moment_bytes[0], exp_avg_sq_bytes=s.moment_bytes[1],
+                                        remainders=s.remainders, repeats=[x for _, x in cpu.units])  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},
-                "activation_pool": sum(host_buffer_bytes(x, cuda) for m in moved for x in m)}  # fmt: skip
+                "activation_pool": pool}  # fmt: skip
     if not cuda:
         training["device_memory"] = gpu.total_bytes  # a CPU run: the "device" is this host
     # construction: the built-in GPT is allocated on the device in its final dtype (engine.build), so the host
