@@ -148,3 +148,19 @@ def test_hf_qwen3_moe_with_its_experts_stepped_on_the_cpu(extra):
     weights = eng.module.state_dict()
     for k, v in ref_weights.items():
         torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_the_delayed_update_leaves_an_expert_without_tokens_alone():
+    """optimizer.delayed_param_update: the CPU-stepped part's update lands a step late; after two steps step 0's
+    has landed, and an expert no token reached in step 0 had none (not even weight decay) while the others moved."""
+    over = [*OFF, "optimizer.optimizer_offload_fraction=1.0", "optimizer.delayed_param_update=true",
+            "optimizer.delayed_param_update_warmup=0"]  # fmt: skip
+    eng, _, _ = engine.initialize(model=ListMoE(), config=CFG, overrides=over)
+    init = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    it = iter(list_batches())
+    eng.train_batch(it)  # step 0 reaches no expert 3; its update lands during step 1, before step 1's update
+    eng.train_batch(it)
+    assert eng.last_step_delayed
+    weights = eng.module.state_dict()
+    assert all(torch.equal(weights[k], init[k]) for k in init if ".experts.3." in k)
+    assert not torch.equal(weights["layers.0.experts.0.weight"], init["layers.0.experts.0.weight"])
