@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 GIB = 1 << 30
 
 
-def llama():
+def llama(attention: str = "sdpa"):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512))  # fmt: skip
+        num_key_value_heads=2, max_position_embeddings=512, attn_implementation=attention))  # fmt: skip
 
 
 def gpt2():
@@ -71,11 +71,12 @@ def config(rows: int, extra=()):
                             "train.precision=fp32", *extra], model_in_hand=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+@pytest.mark.parametrize("name", ["llama", "llama-eager", "gpt2", "t5"])
 @pytest.mark.parametrize("seq", [32, 160])
 def test_activations_and_logits_at_the_batch_equal_what_the_forward_saves(name, seq):
+    """Eager attention's [heads, seq, seq] probabilities (quadratic in tokens) are measured as they are, as is SDPA."""
     torch.manual_seed(0)
-    model = {"llama": llama, "gpt2": gpt2, "t5": t5}[name]()
+    model = {"llama": llama, "llama-eager": lambda: llama("eager"), "gpt2": gpt2, "t5": t5}[name]()
     batch = batch_for(name, 2, seq)
     inside, outside = kept_by_forward(model, batch)
     p = planner(config(2), model, device="cpu", host_budget_bytes=8 * GIB, example_batch=batch)
@@ -130,6 +131,7 @@ def test_initialize_measures_the_example_batch():
 
     _, plan = preflight.last()
     assert plan.batch_seen and plan.activations_source.startswith("measured at the example batch")
+    assert plan.activations_source.endswith("on cpu, sdpa attention")  # the kernel measured, named
     assert eng.train_batch(iter([batch])) > 0
 
 

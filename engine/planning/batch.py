@@ -47,6 +47,13 @@ def describe(batch: Any) -> str:
     return ", ".join(f"{k} {list(v.shape)}" for k, v in named.items() if isinstance(v, torch.Tensor))
 
 
+def attention(model: nn.Module) -> str:
+    """The attention kernel an HF model runs, which the measurement saw, as ", sdpa attention" (eager, flash, ...)
+    (eager attention keeps [heads, seq, seq] probabilities, SDPA/flash memory is linear in tokens); "" otherwise."""
+    kernel = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return f", {kernel} attention" if isinstance(kernel, str) else ""
+
+
 def measure_batch(
     model: nn.Module,
     layers: list[nn.Module],
@@ -119,7 +126,7 @@ def measure_batch(
         head=head,
         logits_transient=logits,
         backward_working=backward_working(1, residual, 1, largest),
-        source=f"measured at the example batch ({describe(batch)}) on {device.type}",
+        source=f"measured at the example batch ({describe(batch)}) on {device.type}{attention(model)}",
     )
 
 
