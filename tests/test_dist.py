@@ -65,12 +65,12 @@ def named_adamw(groups, cfg, model=None):
 
 
 def train(config, overrides, iters, load=None, save=None, build=None):
-    real = engine.engine.build_optimizer
-    engine.engine.build_optimizer = build or real
+    real = engine.first_batch.build_optimizer  # where initialize builds the optimizer
+    engine.first_batch.build_optimizer = build or real
     try:
         eng, _, _ = engine.initialize(config=config, overrides=overrides)
     finally:
-        engine.engine.build_optimizer = real
+        engine.first_batch.build_optimizer = real
     if load:
         eng.load_checkpoint(str(load))
     losses = [eng.train_batch() for _ in range(iters)]
