@@ -95,9 +95,11 @@ USER = {"train": {"device": "cpu", "precision": "fp32", "global_batch_size": 2, 
 
 def test_a_user_model_recomputes_the_block_after_its_offloaded_layers():
     model = _llama()
+    ids = torch.randint(0, 64, (2, 16))
     eng, _, _ = engine.initialize(model=model, config=USER, overrides=[
         "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1", "model.recompute_granularity=full",
         "model.recompute_num_layers=2"])  # fmt: skip
+    eng.train_batch(iter([{"input_ids": ids, "labels": ids}]))  # planned and built at the first micro-batch
     flags = [isinstance(layer, RecomputedModule) for layer in eng.module.model.layers]
     assert flags == [False, True, True, False]
 
