@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Convergence of the narrow CPU-side optimizer states against fp32 states: the built-in GPT at 1.2 B (hidden 2048
+# x 24 layers, 16 heads, seq 1024, micro-batch 4 = global batch, vocab 256, stdlib bytes, bf16 half weights,
+# optimizer f=0.25 with overlap, lr 3e-4 warm-up 100 cosine, clip 1.0, seed 1234), ITERS (1000) iterations per
+# combination, same data and seed, one bin/train process each; the loss curves in one figure (bin/plot) and the
+# final-loss table (mean of the last 50 iterations, difference against fp32 states) printed last.
+# Combinations (COMBOS, comma-separated, default fp32,bf16,bf16+rem):
+#   fp32      fp32 master, exp_avg, exp_avg_sq (the reference; must come first)
+#   bf16      optimizer.exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16        fp16   the same with fp16
+#   rem       optimizer.store_param_remainders=true (the exact remainder master: bf16 weight + 16-bit remainder)
+#   bf16+rem  both (the narrowest: 8 B per CPU-stepped parameter on the host instead of 12)
+# Estimate on one H200: ~2-2.5 min per combination at 1000 iterations (~120 ms/iter), so the default three in one
+# call of ~7-8 min (each run stopped at RUN_TIMEOUT=170 s); the rest in a second call: COMBOS=fp32,rem,fp16
+# (fp32 again, as the reference of that call).
+# Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
+#   tools/convergence_gpu.sh [WHEEL_DIR=.whl]
+# On CPU (the whole script at a tiny shape, 30 iterations): CONVERGENCE_TINY=1 tools/convergence_gpu.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1
+WHL=${1:-.whl}; shift || true
+COMBOS=${COMBOS:-fp32,bf16,bf16+rem}
+SHAPE=(model.num_layers=24 model.hidden_size=2048 model.num_attention_heads=16 model.seq_length=1024
+       model.vocab_size=256 train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda)
+if [ "${CONVERGENCE_TINY:-0}" = 1 ]; then
+  OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
+  ITERS=${ITERS:-30}; RUN_TIMEOUT=${RUN_TIMEOUT:-300}; WARMUP=3
+  SHAPE=(model.num_layers=2 model.hidden_size=64 model.num_attention_heads=4 model.seq_length=32
+         model.vocab_size=256 train.micro_batch_size=2 train.global_batch_size=2 train.device=cpu
+         data.max_bytes=200000)
+else
+  source "$(dirname "$0")/device_env.sh" "$WHL"
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  ITERS=${ITERS:-1000}; RUN_TIMEOUT=${RUN_TIMEOUT:-170}; WARMUP=100
+  echo "== the remainder master's GPU test (bit-equal to the fp32 master through the copy streams)"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_remainder.py -m gpu 2>&1 | tail -3
+fi
+COMMON=("${SHAPE[@]}" train.precision=bf16 train.params_dtype=half train.seed=1234 "train.train_iters=$ITERS"
+        data.source=stdlib optimizer.lr=3e-4 optimizer.min_lr=3e-5 "optimizer.lr_warmup_iters=$WARMUP"
+        "optimizer.lr_decay_iters=$ITERS" optimizer.lr_decay_style=cosine optimizer.clip_grad=1.0
+        optimizer.weight_decay=0.1 optimizer.adam_beta2=0.95 optimizer.optimizer_cpu_offload=true
+        optimizer.use_distributed_optimizer=true optimizer.optimizer_offload_fraction=0.25
+        optimizer.overlap_cpu_optimizer_d2h_h2d=true model.cpu_offloading=false logging.progress_bar=false)
+PA=optimizer.use_precision_aware_optimizer=true
+files=()
+for combo in ${COMBOS//,/ }; do
+  case $combo in
+    fp32) extra=() ;;
+    bf16) extra=($PA optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16) ;;
+    fp16) extra=($PA optimizer.exp_avg_dtype=fp16 optimizer.exp_avg_sq_dtype=fp16) ;;
+    rem) extra=($PA optimizer.store_param_remainders=true) ;;
+    bf16+rem) extra=($PA optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16
+                     optimizer.store_param_remainders=true) ;;
+    *) echo "unknown combination $combo: use fp32, bf16, fp16, rem, bf16+rem"; exit 2 ;;
+  esac
+  name=${combo//+/-}
+  echo "== $combo: ${extra[*]:-fp32 states}"
+  start=$SECONDS
+  timeout "$RUN_TIMEOUT" python3 bin/train "${COMMON[@]}" "${extra[@]}" "logging.metrics_file=$OUT/$name.jsonl" \
+    > "$OUT/$name.log" 2>&1
+  echo "   exit $?, $((SECONDS - start)) s; last line: $(tail -1 "$OUT/$name.log")"
+  files+=("$OUT/$name.jsonl")
+done
+python3 bin/plot "${files[@]}" -o "$OUT/convergence.png" \
+  || echo "(no plot here: bin/plot needs matplotlib; the metrics files are in \$OUT: bin/plot ${files[*]##*/})"
+python3 - "${files[@]}" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+rows = {}
+for path in sys.argv[1:]:
+    recs = []
+    if Path(path).exists():
+        for line in open(path):
+            r = json.loads(line) if line.strip() else {}
+            if r.get("loss") is not None and "iteration" in r:
+                recs.append(r)
+    rows[Path(path).stem] = recs
+# compared at the iteration every run reached (a run stopped by its guard is compared where it stopped)
+n = min((len(recs) for recs in rows.values() if recs), default=0)
+k = min(50, max(1, n // 5))
+ref = (rows.get("fp32") or [])[:n]
+ref_final = statistics.fmean(r["loss"] for r in ref[-k:]) if ref else None
+print(f"\n| states | iterations run | loss first -> final (mean of iterations {n - k + 1}..{n}) | vs fp32 states "
+      "| median ms/iter |")
+print("|---|---|---|---|---|")
+for name, recs in rows.items():
+    if not recs:
+        print(f"| {name} | 0 | (no records: see {name}.log) | - | - |")
+        continue
+    final = statistics.fmean(r["loss"] for r in recs[:n][-k:])
+    vs = f"{final / ref_final - 1:+.2%}" if ref_final and name != "fp32" else "-"
+    ms = [r["iteration_ms"] for r in recs if "iteration_ms" in r]
+    ms_s = f"{statistics.median(ms[len(ms) // 4:]):.0f}" if ms else "-"
+    print(f"| {name} | {len(recs)} | {recs[0]['loss']:.4f} -> {final:.4f} | {vs} | {ms_s} |")
+PY
+echo "command: COMBOS=$COMBOS tools/convergence_gpu.sh $WHL"
