@@ -152,7 +152,9 @@ def train(cfg: Config, budgets: Budgets | None = None) -> MetricsLog:
                 dist.log(f"resumed from {load} at iteration {eng.iteration}")
             eng.data_iter = eng.data_iter or eng.default_data()  # data errors surface before the progress bar
         tensorboard = cfg.logging.tensorboard_dir if dist.is_main() else None
-        log = MetricsLog(dist.rank_path(cfg.logging.metrics_file), run_header(cfg.to_dict(), resumed), tensorboard)
+        planned = eng.planned[1].choice() if eng.planned is not None else None  # the mix "auto" chose, once
+        header = run_header(cfg.to_dict(), resumed, planned)
+        log = MetricsLog(dist.rank_path(cfg.logging.metrics_file), header, tensorboard)
         stack.callback(log.close)
         tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         save, every = cfg.checkpoint.save, cfg.checkpoint.save_interval

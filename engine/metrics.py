@@ -39,9 +39,11 @@ def _loss(x: float | None) -> str:
     return "non-finite" if x is None or not math.isfinite(x) else f"{x:.4f}"
 
 
-def run_header(config: dict[str, Any], resumed_from: dict[str, Any] | None) -> dict[str, Any]:
+def run_header(config: dict[str, Any], resumed_from: dict[str, Any] | None,
+               plan: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The record a run appends first, so runs in one file can be told apart: a fresh id, the start time, the
-    config and its digest, and the checkpoint it resumed from (None for a fresh start)."""
+    config and its digest, the checkpoint it resumed from (None for a fresh start) and, when the memory plan ran,
+    the mix it chose and its predicted step (engine.planning's Plan.choice)."""
     return {
         "record": "run",
         "run_id": uuid.uuid4().hex[:12],
@@ -49,6 +51,7 @@ def run_header(config: dict[str, Any], resumed_from: dict[str, Any] | None) -> d
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "resumed_from": resumed_from,
         "config": config,
+        **({} if plan is None else {"plan": plan}),
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 import engine.planning.auto as auto
 from engine.config import load_config
 from engine.planning import planner, resolve
-from engine.planning.auto import STEPS, NothingFits, added_seconds
+from engine.planning.auto import STEPS, NothingFits
 
 GIB = 1 << 30
 
@@ -34,13 +34,13 @@ def gpu_bounds(cfg) -> tuple[int, int]:
 
 def exhaustive(p):
     """What "auto" means, by trying every layer count, each at its smallest fitting grid fraction: the least
-    added time per step among the fitting plans (ties: fewer layers); None when nothing fits."""
+    predicted step time among the fitting plans (ties: fewer layers); None when nothing fits."""
     best = None
     for k in range(p.max_layers() + 1):
         q = next((q for i in range(STEPS + 1) if (q := p.evaluate(i / STEPS, k)).gpu.fits), None)
         if q is not None and q.fits:
-            cost = added_seconds(q, p.settings)
-            if best is None or cost < best[0] - 1e-9:
+            cost = p.pricer.price(q).total_s
+            if best is None or cost < best[0]:
                 best = (cost, q)
     return None if best is None else best[1]
 

@@ -23,9 +23,10 @@ from torch import nn
 from engine.config import Config, load_config
 from engine.offload.api import DEFAULT_MIN_BYTES
 from engine.planning import budget
-from engine.planning.auto import CPU_PARAMS_PER_S, PCIE_BYTES_PER_S, NothingFits, Planner, added_seconds, gib
+from engine.planning.auto import NothingFits, Planner, gib
 from engine.planning.census import builtin_census, model_census
 from engine.planning.memory import DevicePlan, Plan, settings_of
+from engine.planning.step_time import Costs
 
 __all__ = ["DevicePlan", "NothingFits", "Plan", "format_plan", "plan", "planner"]
 
@@ -52,6 +53,7 @@ def planner(
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
     example_batch: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    costs: Costs | None = None,
 ) -> Planner:
     """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names)."""
     cfg = config if isinstance(config, Config) else load_config(config)
@@ -72,7 +74,9 @@ def planner(
     else:
         census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input,
                               example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
-    return Planner(cfg, census, settings_of(cfg, world), cuda=cuda, gpu_budget=gpu, host_budget=host)
+    tokens = batch_tokens(example_batch) if example_batch is not None else None
+    return Planner(cfg, census, settings_of(cfg, world), cuda=cuda, gpu_budget=gpu, host_budget=host, costs=costs,
+                   tokens=tokens)  # fmt: skip
 
 
 def plan(
@@ -87,6 +91,7 @@ def plan(
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
     example_batch: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    costs: Costs | None = None,
 ) -> Plan:
     """The memory plan of `config` (a path, dict or Config) for the built-in GPT, or for `model`.
 
@@ -100,20 +105,25 @@ def plan(
     labels)`, a tensor), with `loss_fn` as given to engine.initialize: a user model's activations, logits and
     loss are measured by one forward of it (engine.planning.batch). Without it they are measured at
     model.seq_length, a guess: the plan then reports no fit and "auto" is refused (engine.initialize without one
-    plans at the first micro-batch: engine.first_batch)."""
+    plans at the first micro-batch: engine.first_batch).
+
+    costs: the rates the step time is predicted with (engine.planning.step_time.Costs, e.g. figures measured on
+    the machine that will train); None: the stated defaults for the device (step_time.default_costs)."""
     p = planner(config, model, gpu_budget_bytes=gpu_budget_bytes, host_budget_bytes=host_budget_bytes,
                 device=device, data_parallel_size=data_parallel_size, measure_activations=measure_activations,
-                example_input=example_input, example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
+                example_input=example_input, example_batch=example_batch, loss_fn=loss_fn, costs=costs)  # fmt: skip
     return resolve(p)
 
 
 def resolve(p: Planner) -> Plan:
-    """The plan at the config's values, "auto" ones chosen."""
+    """The plan at the config's values, "auto" ones chosen, priced (its predicted step time)."""
     fraction = p.cfg.optimizer.optimizer_offload_fraction
     layers = p.cfg.model.cpu_offloading_num_layers
+    recompute = p.cfg.model.recompute_num_layers
     auto = {
         "optimizer.optimizer_offload_fraction": fraction == "auto",
         "model.cpu_offloading_num_layers": layers == "auto",
+        "model.recompute_num_layers": recompute == "auto",
     }
     if any(auto.values()) and not p.census.batch_seen:
         keys = " and ".join(f'{k}="auto"' for k, a in auto.items() if a)
@@ -121,10 +131,19 @@ def resolve(p: Planner) -> Plan:
                           "micro-batch) to engine.plan, or set a number (engine.initialize without one chooses at "
                           "the first micro-batch)")  # fmt: skip
     if any(auto.values()):
-        chosen = p.resolve(fraction, layers)
+        chosen = p.resolve(fraction, layers, recompute)
     else:
-        chosen = p.evaluate(float(fraction), int(layers))
+        chosen = p.priced(p.evaluate(float(fraction), int(layers)))
     return replace(chosen, auto=auto)
+
+
+def batch_tokens(batch: Any) -> int | None:
+    """Tokens in one micro-batch: the elements of its first integer tensor (token ids), or None."""
+    from engine.batch import BatchLoss
+
+    args, kwargs, _ = BatchLoss.split(batch)
+    ids = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    return int(ids[0].numel()) if ids else None
 
 
 # --- rendering -------------------------------------------------------------------------------------------------
@@ -159,6 +178,33 @@ def _offload_lines(p: Plan, s: Any = None) -> list[str]:
             f"{k * p.offloaded_layer_bytes / 2**30:.2f} GiB off the GPU by the end of forward"]  # fmt: skip
 
 
+def _ms(t: float) -> str:
+    return f"{1000 * t:,.0f} ms"
+
+
+def _time_lines(p: Plan) -> list[str]:
+    """The predicted step of the plan's mix, by part, and of the runners-up "auto" weighed against it."""
+    t = p.step_time
+    if t is None:
+        return []
+
+    def n(x: float) -> str:
+        return f"{1000 * x:,.0f}"
+
+    cpu = f", CPU step {n(t.cpu_exposed_s)} of {n(t.cpu_step_s)} not hidden" if t.cpu_step_s else ""
+    lines = [f"  predicted step: {_ms(t.total_s)}: compute {n(t.compute_s)}, copies not hidden "
+             f"{n(t.activation_copies_s)}, recompute {n(t.recompute_s)}, GPU step {n(t.gpu_step_s)}{cpu}",
+             f"  priced with {p.costs}"]  # fmt: skip
+    lines += [f"  next candidate: fraction {f:.2f}, {k} offloaded, {r} recomputed layers: {_ms(o.total_s)}"
+              for f, k, r, o in p.next_best]  # fmt: skip
+    return lines
+
+
+def _recompute_line(p: Plan, mark: dict[bool, str]) -> list[str]:
+    auto = p.auto.get("model.recompute_num_layers", False)
+    return [f"  model.recompute_num_layers = {p.recomputed_layers}{mark[auto]}"] if p.recomputed_layers or auto else []
+
+
 def format_plan(p: Plan, s: Any = None) -> str:
     """The readable table `bin/train --plan` prints."""
     mark = {True: " (auto)", False: ""}
@@ -168,14 +214,12 @@ def format_plan(p: Plan, s: Any = None) -> str:
         f"{mark[p.auto.get('optimizer.optimizer_offload_fraction', False)]}",
         f"  model.cpu_offloading_num_layers = {p.offloaded_layers}"
         f"{mark[p.auto.get('model.cpu_offloading_num_layers', False)]}",
+        *_recompute_line(p, mark),
         f"  activations: {p.layer_activation_bytes / 2**20:.1f} MiB per layer ({p.activations_source}); an offloaded "
         f"layer moves {p.offloaded_layer_bytes / 2**20:.1f} MiB to the host",
     ]
     lines += _offload_lines(p, s)
-    if s is not None:
-        lines.append(f"  offloading adds ~{1000 * added_seconds(p, s):.0f} ms per step (PCIe "
-                     f"{PCIE_BYTES_PER_S / 1e9:.0f} GB/s, CPU step {CPU_PARAMS_PER_S / 1e9:.1f} G params/s; "
-                     "upper bounds)")  # fmt: skip
+    lines += _time_lines(p)
     lines.append("")
     lines += _device_block("GPU" if p.gpu.device == "cuda" else "device (CPU)", p.gpu)
     lines.append("")

@@ -1,42 +1,42 @@
-"""Choosing what the config leaves to the plan ("auto"), and the bounds a refusal names.
+"""Choosing what the config leaves to the plan ("auto"): the fastest mix that fits, and the bounds a refusal names.
 
-optimizer.optimizer_offload_fraction="auto": the smallest fraction, in steps of 0.01, whose plan fits the GPU
-(margin included); then the host is checked at it (the host only grows with the fraction, so if it does not
-fit there nothing does).
+The "auto" keys: optimizer.optimizer_offload_fraction (a grid of 0.00, 0.01, ..., 1.00),
+model.cpu_offloading_num_layers (0 to num_layers - 1) and model.recompute_num_layers (layers recomputed right
+after the offloaded ones). Memory is the constraint and time the choice: among the mixes whose plan fits both
+budgets, the one with the least predicted step time wins (engine.planning.pricing / step_time: the CPU step and
+what the schedule hides of it, activation copies beyond compute, recomputed forwards); ties: fewer offloaded
+and recomputed layers. Nothing else is ever changed: the candidates differ only in the keys written "auto", so
+the numerics are the ones the config asked for.
 
-model.cpu_offloading_num_layers="auto": of the counts k from 0 to num_layers-1, each with its own smallest
-fitting fraction when that is "auto" too, the pair that adds the least estimated time per step wins (ties:
-fewer layers). The GPU's bytes fall as k or the fraction grows, so bisection finds the fewest layers that fit
-at a fraction; k only matters where the smallest fitting fraction drops (between two such counts the cost
-grows with k and so does the host's pool), so only those counts are evaluated: O(log num_layers) plans per
-fraction step, never every k. Why a time estimate: the two mechanisms buy GPU memory at different prices.
-  activation offload   each offloaded layer's saved bytes cross PCIe twice per micro-batch (out in forward,
-                       back in backward): micro_batches x 2 x bytes / PCIE_BYTES_PER_S
-  optimizer offload    each CPU-stepped parameter costs the CPU step once per global batch:
-                       parameters / CPU_PARAMS_PER_S (its gradient and weight copies run beside backward
-                       and forward and are not counted)
-Per GiB of GPU memory saved, one offloaded GiB of activations costs 2 x 1.07 GB / 50 GB/s = 43 ms per
-micro-batch, while one GiB of fp32 master+m+v (12 B per parameter: 89 M parameters) costs 89 M / 3.6 G/s =
-25 ms per step. With several micro-batches per step the optimizer is the cheaper way to free memory, which is
-why "auto" offloads layers only when the fraction alone cannot make the plan fit (or, with one micro-batch,
-when a layer's activations free more per second of cost). Both figures are upper bounds of the exposed
-time (overlap hides some of either); they were measured on the H200 (docs/BENCHMARKS.md: pinned copies
-54-55 GB/s each way, the CPU AdamW step 3.6-4.1 G params/s on 15 threads).
+The candidates, a number independent of the depth (each found by bisection, O(log num_layers) plans):
+  layers and fraction   the GPU's bytes fall as k or the fraction grows, so bisection finds the fewest layers
+                        that fit at a fraction; k only matters where the smallest fitting fraction drops (between
+                        two such counts the time only grows and so does the host's pool), so only those counts
+                        are walked, in rising k, until a lower bound of the time with k layers (compute and
+                        copies alone) reaches the best found. A larger fraction than the smallest that fits at a
+                        k is not a candidate: it adds CPU work, and where the CPU step is hidden it saves only the
+                        GPU step's share of those parameters (milliseconds) for more host memory.
+  recompute             at no offloaded layers and at the most whose copies hide under compute, at the fraction
+                        floor, the largest fraction whose CPU step is still hidden, and the smallest that fits
+                        without recompute: the fewest recomputed layers that fit (step time is linear in each
+                        between those points, so its least lies at one of them).
+With optimizer.delayed_param_update the fraction is at least the smallest that steps a parameter on the CPU:
+fraction 0 would leave the delayed update with nothing to do, which is not what the config asked for.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from engine.config import Config
 from engine.planning.census import Census
 from engine.planning.memory import GIB, DevicePlan, Plan, Settings, evaluate
+from engine.planning.pricing import Pricer
+from engine.planning.step_time import Costs
 
-PCIE_BYTES_PER_S = 50e9
-CPU_PARAMS_PER_S = 3.6e9
 STEPS = 100  # the fraction's grid: 0.00, 0.01, ..., 1.00
+KEYS = ("optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers", "model.recompute_num_layers")
 
 
 class NothingFits(ValueError):
@@ -47,33 +47,45 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def added_seconds(p: Plan, s: Settings) -> float:
-    """The estimated time offloading adds per step (see the module docstring)."""
-    pcie = s.micro_batches * 2 * p.offloaded_layers * p.offloaded_layer_bytes / PCIE_BYTES_PER_S
-    return pcie + p.cpu_parameters / CPU_PARAMS_PER_S
-
-
 class Planner:
     """One census and budgets; evaluates plans at any fraction and layer count, and searches them."""
 
     def __init__(self, cfg: Config, census: Census, settings: Settings, *, cuda: bool, gpu_budget: int | None,
-                 host_budget: int | None) -> None:  # fmt: skip
+                 host_budget: int | None, costs: Costs | None = None, tokens: int | None = None) -> None:  # fmt: skip
         self.cfg, self.census, self.settings = cfg, census, settings
         self.cuda, self.gpu_budget, self.host_budget = cuda, gpu_budget, host_budget
+        self.pricer = Pricer(cfg, census, settings, cuda=cuda, costs=costs, tokens=tokens)
 
-    def evaluate(self, fraction: float, k: int, settings: Settings | None = None) -> Plan:
+    def evaluate(self, fraction: float, k: int, settings: Settings | None = None, r: int | None = None) -> Plan:
         return evaluate(self.census, settings or self.settings, fraction, k, cuda=self.cuda,
-                        gpu_budget=self.gpu_budget, host_budget=self.host_budget)  # fmt: skip
+                        gpu_budget=self.gpu_budget, host_budget=self.host_budget, r=r)  # fmt: skip
+
+    def priced(self, p: Plan) -> Plan:
+        """`p` with its predicted step time and the rates it was priced with."""
+        return replace(p, step_time=self.pricer.price(p), costs=self.pricer.costs.describe())
 
     def max_layers(self) -> int:
         return max(0, self.census.n_layers - 1)  # the reference: fewer than num_layers
 
     # ---- bounds ---------------------------------------------------------------------------------------------
-    def smallest_gpu_fraction(self, k: int, settings: Settings | None = None, *, below: int = STEPS) -> Plan | None:
-        """The plan at the smallest grid fraction (at most below / STEPS) whose GPU part fits, or None."""
+    def smallest_gpu_fraction(self, k: int, settings: Settings | None = None, *, below: int = STEPS,
+                              least: int = 0) -> Plan | None:  # fmt: skip
+        """The plan at the smallest grid fraction (between least and below, / STEPS) whose GPU part fits, or None."""
         # the GPU's bytes fall as the fraction grows
-        step = _first(lambda i: self.evaluate(i / STEPS, k, settings).gpu.fits, 0, below)
+        step = _first(lambda i: self.evaluate(i / STEPS, k, settings).gpu.fits, least, below)
         return None if step is None else self.evaluate(step / STEPS, k, settings)
+
+    def fraction_floor(self) -> int:
+        """The least grid step "auto" may choose: 0, or with the delayed update the first that steps a parameter
+        on the CPU (NothingFits when none does)."""
+        if not self.settings.delayed:
+            return 0
+        step = _first(lambda i: self.evaluate(i / STEPS, 0).cpu_parameters > 0, 1, STEPS)
+        if step is None:
+            raise NothingFits('optimizer.optimizer_offload_fraction="auto" with optimizer.delayed_param_update: '
+                              "no fraction steps a parameter on the CPU; set "
+                              "optimizer.delayed_param_update=false")  # fmt: skip
+        return step
 
     def largest_host_fraction(self, k: int) -> float | None:
         """The largest grid fraction whose host part fits, or None (not even at 0)."""
@@ -111,79 +123,131 @@ class Planner:
         return self.evaluate(fraction, k) if k is not None else most
 
     # ---- "auto" ---------------------------------------------------------------------------------------------
-    def resolve(self, fraction: float | str, layers: int | str, *, hint: bool = True) -> Plan:
-        """The plan with "auto" values chosen (see the module docstring); NothingFits if none fits (hint: its
-        message names the largest depth that would fit)."""
-        s = self.settings
-        auto_f, auto_k = fraction == "auto", layers == "auto"
-        if auto_f and self.cuda and self.gpu_budget is None:
+    def resolve(self, fraction: float | str, layers: int | str, recompute: int | str | None = None, *,
+                hint: bool = True) -> Plan:  # fmt: skip
+        """The fastest fitting plan, "auto" values chosen (see the module docstring), priced, with its two
+        runners-up; NothingFits if none fits (hint: its message names the largest depth that would fit)."""
+        auto = dict(zip(KEYS, (fraction == "auto", layers == "auto", recompute == "auto" and self.settings.recompute),
+                        strict=True))  # fmt: skip
+        if auto[KEYS[0]] and self.cuda and self.gpu_budget is None:
             raise NothingFits('optimizer.optimizer_offload_fraction="auto" needs the GPU\'s memory: run on the '
                               "GPU, or pass --gpu-memory GIB to plan for one")  # fmt: skip
-        best: tuple[float, int, Plan] | None = None
+        floor = self.fraction_floor() if auto[KEYS[0]] else 0
+        ranked: dict[tuple[float, int, int], tuple[float, int, Plan]] = {}
         nearest: Plan | None = None  # for the message: the least GPU, then the host at the fitting fraction
+        layer_bytes = self.evaluate(0.0, 1).offloaded_layer_bytes
 
-        def costs_more(k: int) -> bool:  # more layers only cost more PCIe time than the best found costs in all
-            return best is not None and k * self._layer_seconds >= best[0]
+        def slower(k: int) -> bool:  # k layers' compute and copies alone already take the best time found
+            return bool(ranked) and self.pricer.least_with_layers(k, layer_bytes) >= min(v[0] for v in ranked.values())
 
-        for k, p in self._candidates(fraction, layers, costs_more):
+        candidates = self._candidates(fraction, layers, slower, floor)
+        if auto[KEYS[2]]:
+            hidden = self.pricer.hidden_layers(layer_bytes)
+            candidates = _chain(candidates, self._recomputing(fraction, layers, floor, hidden))
+        for p in candidates:
             if nearest is None or _closeness(p) < _closeness(nearest):
                 nearest = p
-            if not p.fits:
-                continue
-            cost = added_seconds(p, s)
-            if best is None or cost < best[0] - 1e-9:
-                best = (cost, k, p)
-        if best is None:
-            raise NothingFits(self._nothing_fits(nearest, auto_f, auto_k, hint))
-        return best[2]
+            if p.fits:
+                key = (p.fraction, p.offloaded_layers, p.recomputed_layers)
+                ranked[key] = (self.pricer.price(p).total_s, p.offloaded_layers + p.recomputed_layers, p)
+        if not ranked:
+            raise NothingFits(self._nothing_fits(nearest, auto, hint))
+        order = [p for _, _, p in sorted(ranked.values(), key=lambda x: (x[0], x[1], x[2].fraction))]
+        chosen, runners = order[0], order[1:3]
+        if len(runners) < 2:  # fewer were weighed: the chosen mix's neighbours, for the reader to compare
+            runners += sorted(self._neighbours(chosen, auto, ranked), key=lambda p: self.pricer.price(p).total_s)
+        return replace(
+            self.priced(chosen),
+            next_best=tuple(
+                (p.fraction, p.offloaded_layers, p.recomputed_layers, self.pricer.price(p)) for p in runners[:2]
+            ),
+        )
 
-    def _candidates(self, fraction: float | str, layers: int | str, stop: Callable[[int], bool]
-                    ) -> Iterator[tuple[int, Plan]]:  # fmt: skip
-        """(k, plan) in rising k: only the counts where the smallest fitting fraction drops (see the module
-        docstring: between two such counts the cost only grows and the host only fills), until stop(k)."""
+    def _neighbours(self, p: Plan, auto: dict[str, bool], seen: dict) -> list[Plan]:
+        """Fitting plans one grid step from `p` in each "auto" key it can grow (one fraction step, one more
+        offloaded or recomputed layer): never faster where the search is right, shown beside its choice."""
+        f, k, r = round(p.fraction * STEPS), p.offloaded_layers, p.recomputed_layers
+        steps = [(f + 1, k, r)] if auto[KEYS[0]] and f < STEPS else []
+        steps += [(f, k + 1, r)] if auto[KEYS[1]] and k < self.max_layers() else []
+        steps += [(f, k, r + 1)] if auto[KEYS[2]] and k + r < self.census.n_layers else []
+        near = [self.evaluate(i / STEPS, j, r=q) for i, j, q in steps]
+        return [q for q in near if q.fits and (q.fraction, q.offloaded_layers, q.recomputed_layers) not in seen]
+
+    def _candidates(self, fraction: float | str, layers: int | str, stop: Callable[[int], bool], floor: int = 0
+                    ) -> Iterator[Plan]:  # fmt: skip
+        """Plans in rising k: only the counts where the smallest fitting fraction drops (see the module
+        docstring: between two such counts the time only grows and the host only fills), until stop(k)."""
         auto_f = fraction == "auto"
         if layers != "auto":
             k = int(layers)
-            p = self.smallest_gpu_fraction(k) if auto_f else self.evaluate(float(fraction), k)
-            yield k, p if p is not None else self.evaluate(1.0, k)
+            p = self.smallest_gpu_fraction(k, least=floor) if auto_f else self.evaluate(float(fraction), k)
+            yield p if p is not None else self.evaluate(1.0, k)
             return
         k = self.fewest_gpu_layers(1.0 if auto_f else float(fraction))
         if k is None:  # the GPU fits nowhere: the least it reaches, for the message
-            least = self.least_gpu(1.0 if auto_f else float(fraction))
-            yield least.offloaded_layers, least
+            yield self.least_gpu(1.0 if auto_f else float(fraction))
             return
         if not auto_f:
-            yield k, self.evaluate(float(fraction), k)
+            yield self.evaluate(float(fraction), k)
             return
         below = STEPS
         while not stop(k):
-            p = self.smallest_gpu_fraction(k, below=below)
-            assert p is not None  # k was found fitting at `below`
-            yield k, p
+            p = self.smallest_gpu_fraction(k, below=below, least=floor)
+            if p is None:  # fits only below the floor
+                return
+            yield p
             below = round(p.fraction * STEPS) - 1
-            if below < 0:
+            if below < floor:
                 return
             nxt = self.fewest_gpu_layers(below / STEPS, least=k + 1)
             if nxt is None:
                 return
             k = nxt
 
-    @functools.cached_property
-    def _layer_seconds(self) -> float:
-        """The PCIe time one offloaded layer adds per step (a lower bound for every further layer)."""
-        p = self.evaluate(0.0, 1)
-        return self.settings.micro_batches * 2 * p.offloaded_layer_bytes / PCIE_BYTES_PER_S
+    def _recomputing(self, fraction: float | str, layers: int | str, floor: int, hidden: int) -> Iterator[Plan]:
+        """The recompute candidates (see the module docstring): the fewest recomputed layers that fit at a few
+        (fraction, offloaded layers), each found by bisection."""
+        if layers != "auto":
+            ks = [int(layers)]
+        else:
+            ks = sorted({0, min(hidden, self.max_layers())}) if self.settings.layer_offload else [0]
+        for k in ks:
+            if fraction != "auto":
+                steps = [float(fraction)]
+            else:
+                alone = self.smallest_gpu_fraction(k, least=floor)
+                top = round(alone.fraction * STEPS) if alone is not None else STEPS
+                steps = [i / STEPS for i in sorted({floor, self._largest_hidden_step(k, floor, top), top})]
+            for f in steps:
+                yield self._fewest_recomputed(f, k)
 
-    def _nothing_fits(self, p: Plan | None, auto_f: bool, auto_k: bool, hint: bool) -> str:
-        which = " and ".join(k for k, a in (("optimizer.optimizer_offload_fraction", auto_f),
-                                             ("model.cpu_offloading_num_layers", auto_k)) if a)  # fmt: skip
+    def _largest_hidden_step(self, k: int, floor: int, top: int) -> int:
+        """The largest grid step (floor..top) at which the CPU step is still entirely hidden (floor if none)."""
+        shows = _first(lambda i: self.pricer.price(self.evaluate(i / STEPS, k, r=0)).cpu_exposed_s > 0, floor, top)
+        return top if shows is None else max(floor, shows - 1)
+
+    def _fewest_recomputed(self, fraction: float, k: int) -> Plan:
+        """The plan with the fewest recomputed layers whose GPU part fits (the most, when none fits)."""
+        most = max(0, self.census.n_layers - k)
+
+        def fits(r: int) -> bool:
+            return self.evaluate(fraction, k, r=r).gpu.fits
+
+        # recomputing one layer adds its rebuilt activations to backward, so none at all is tried on its own
+        r = 0 if fits(0) else _first(fits, 1, most)
+        return self.evaluate(fraction, k, r=most if r is None else r)
+
+    def _nothing_fits(self, p: Plan | None, auto: dict[str, bool], hint: bool) -> str:
+        which = " and ".join(k for k, a in auto.items() if a)
         head = f'no {which} fits ("auto")'
+        at = "" if p is None else f"fraction {p.fraction:.2f}, {p.offloaded_layers} offloaded layers"
+        at += f", {p.recomputed_layers} recomputed" if p is not None and p.recomputed_layers else ""
         if p is not None and not p.gpu.fits:
-            why = (f"the least GPU memory it reaches is {gib(p.gpu.total_bytes)} GiB (fraction {p.fraction:.2f}, "
-                   f"{p.offloaded_layers} offloaded layers), {gib(self.gpu_budget or 0)} GiB available")  # fmt: skip
+            why = (f"the least GPU memory it reaches is {gib(p.gpu.total_bytes)} GiB ({at}), "
+                   f"{gib(self.gpu_budget or 0)} GiB available")  # fmt: skip
         elif p is not None:
-            why = (f"where the GPU fits (fraction {p.fraction:.2f}, {p.offloaded_layers} offloaded layers) the "
-                   f"host needs {gib(p.host.total_bytes)} GiB, {gib(self.host_budget or 0)} GiB available")  # fmt: skip
+            why = (f"where the GPU fits ({at}) the host needs {gib(p.host.total_bytes)} GiB, "
+                   f"{gib(self.host_budget or 0)} GiB available")  # fmt: skip
         else:
             why = "no setting was tried"
         return f"{head}: {why}" + (f"; {self.largest_model_hint()}" if hint else "")
@@ -200,10 +264,11 @@ class Planner:
             mid = (lo + hi) // 2
             census = self.census.truncated(mid, self.settings.weight_elem)
             trial = Planner(self.cfg, census, self.settings, cuda=self.cuda, gpu_budget=self.gpu_budget,
-                            host_budget=self.host_budget)  # fmt: skip
+                            host_budget=self.host_budget, costs=self.pricer.costs,
+                            tokens=self.pricer.tokens)  # fmt: skip
             layers = "auto" if self.settings.layer_offload else 0
             try:
-                found = trial.resolve(fraction, layers, hint=False)
+                found = trial.resolve(fraction, layers, self.settings.recompute_num_layers, hint=False)
                 lo = mid + 1
             except NothingFits:
                 hi = mid - 1
@@ -238,3 +303,8 @@ def _first(holds: Callable[[int], bool], lo: int, hi: int) -> int | None:
         else:
             lo = mid + 1
     return lo
+
+
+def _chain(*its: Iterator[Plan]) -> Iterator[Plan]:
+    for it in its:
+        yield from it

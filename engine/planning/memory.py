@@ -37,6 +37,7 @@ from engine.optim.partition import offload_count
 from engine.planning.activations import Saved
 from engine.planning.census import Census
 from engine.planning.runs import Steps, Suffix, suffix
+from engine.planning.step_time import StepTime
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -159,6 +160,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     batch_seen: bool = True  # False: a user's model whose activations were not measured at a batch of its own
     recomputed_layers: int = 0  # full recompute: layers offloaded_layers .. + recomputed_layers - 1
+    step_time: StepTime | None = None  # the predicted step (engine.planning.pricing), when priced
+    costs: str = ""  # the rates it was priced with, and where they come from
+    next_best: tuple[tuple[float, int, int, StepTime], ...] = ()  # "auto": (fraction, k, r, time) of the runners-up
 
     @property
     def fits(self) -> bool:
@@ -170,6 +174,13 @@ class Plan:
         """The bytes counted fit both budgets (without a batch: weights and optimizer only, a lower bound)."""
         return self.gpu.fits and self.host.fits
 
+    def choice(self) -> dict[str, Any]:
+        """The mix this plan is of and its predicted step, as a run's metrics record it once at the start."""
+        return {"fraction": self.fraction, "offloaded_layers": self.offloaded_layers,
+                "recomputed_layers": self.recomputed_layers,
+                "predicted_step_ms": None if self.step_time is None else round(1000 * self.step_time.total_s, 1),
+                "auto": sorted(k for k, a in self.auto.items() if a), "costs": self.costs}  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         return {
             "fits": self.fits if self.batch_seen else None,
@@ -180,8 +191,14 @@ class Plan:
             "activations": {"source": self.activations_source, "per_layer_bytes": self.layer_activation_bytes,
                             "offloaded_per_layer_bytes": self.offloaded_layer_bytes},
             "notes": list(self.notes),
+            **({} if self.step_time is None else {"predicted_step": {**self.step_time.to_json(), "costs": self.costs},
+                                                  "next_candidates": [_candidate(*c) for c in self.next_best]}),
             **({} if self.batch_seen else {"batch_seen": False}),
         }  # fmt: skip
+
+
+def _candidate(fraction: float, k: int, r: int, t: StepTime) -> dict[str, Any]:
+    return {"fraction": fraction, "offloaded_layers": k, "recomputed_layers": r, "total_ms": round(1000 * t.total_s, 3)}
 
 
 def _selected(owners: tuple[tuple[str, str], ...], selectors: tuple[str, ...]) -> bool:

@@ -48,8 +48,13 @@ def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int
     if chosen:
         dist.log(f"memory plan chose {', '.join(chosen)} (GPU {gib(plan.gpu.total_bytes)} of "
                  f"{_budget(plan.gpu.budget_bytes)} GiB, host {gib(plan.host.total_bytes)} of "
-                 f"{_budget(plan.host.budget_bytes)} GiB; bin/train CONFIG --plan shows the parts)")  # fmt: skip
+                 f"{_budget(plan.host.budget_bytes)} GiB{_predicted(plan)}; bin/train CONFIG --plan shows the "
+                 "parts)")  # fmt: skip
     return resolved
+
+
+def _predicted(plan: Plan) -> str:
+    return "" if plan.step_time is None else f"; predicted step {1000 * plan.step_time.total_s:,.0f} ms"
 
 
 def last() -> tuple[Config, Plan] | None:

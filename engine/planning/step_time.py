@@ -140,10 +140,11 @@ class StepTime:
         return self.compute_s + self.activation_copies_s + self.recompute_s + self.gpu_step_s + self.cpu_exposed_s
 
     def to_json(self) -> dict[str, float]:
-        return {"total_ms": 1000 * self.total_s, "compute_ms": 1000 * self.compute_s,
-                "activation_copies_ms": 1000 * self.activation_copies_s, "recompute_ms": 1000 * self.recompute_s,
-                "gpu_step_ms": 1000 * self.gpu_step_s, "cpu_step_ms": 1000 * self.cpu_step_s,
-                "cpu_exposed_ms": 1000 * self.cpu_exposed_s}  # fmt: skip
+        """Milliseconds, to the microsecond."""
+        parts = {"total": self.total_s, "compute": self.compute_s, "activation_copies": self.activation_copies_s,
+                 "recompute": self.recompute_s, "gpu_step": self.gpu_step_s, "cpu_step": self.cpu_step_s,
+                 "cpu_exposed": self.cpu_exposed_s}  # fmt: skip
+        return {f"{k}_ms": round(1000 * v, 3) for k, v in parts.items()}
 
 
 def step_time(w: Workload, m: Mix, s: Schedule, c: Costs) -> StepTime:
