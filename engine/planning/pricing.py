@@ -34,9 +34,13 @@ class Pricer:
     def workload(self) -> Workload:
         c, m, n = self.census, self.cfg.model, self.tokens
         attention = 4 * n * m.seq_length * m.hidden_size if c.builtin else 0
-        per_layer = [2 * c.group_numel.get(i, 0) * n + attention for i in range(c.n_layers)]
+        params = [0] * c.n_layers
+        for first, end, each in c.layer_pieces:  # O(depth) once; every plan after it is priced in O(1)
+            for i in range(first, end):
+                params[i] += each
+        per_layer = [2 * x * n + attention for x in params]
         note = "" if c.builtin else "a user's model: attention scores not counted"
-        return Workload.of_layers(self.settings.micro_batches, per_layer, 2 * c.group_numel.get("output", 0) * n, note)
+        return Workload.of_layers(self.settings.micro_batches, per_layer, 2 * c.side_numel["output"] * n, note)
 
     def mix(self, p: Plan) -> Mix:
         return Mix(fraction=p.fraction, offloaded_layers=p.offloaded_layers, recomputed_layers=p.recomputed_layers,
