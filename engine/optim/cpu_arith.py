@@ -49,7 +49,8 @@ class TensorStep:
 
     @property
     def in_place(self) -> bool:
-        return self.p_out is self.p
+        """Every output is its input (the remainder form's guess steps its weights in place, its states not)."""
+        return self.p_out is self.p and self.m_out is self.m and self.v_out is self.v and self.rem_out is self.rem
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,16 @@ class FusedAdamW:
         ])  # fmt: skip
 
     def guess(self, unit, names, grads, out, half, hypers) -> None:
-        """Step `names` out of place into `out` (name -> (p, m, v)), as if unclipped and unscaled."""
+        """Step `names` out of place into `out` (name -> (p, m, v)), as if unclipped and unscaled. With the
+        remainder form `half` holds the unit's bf16 weights as the GPU has them (read back by the caller), and is
+        stepped in place: the guess's half weights; out's p is the spare's remainders."""
         if self.host.remainders:
-            raise NotImplementedError("the remainder form steps in place only")
+            self.step([
+                TensorStep(half[n], m, v, grads[n], half[n], out[n][1], out[n][2], None,
+                           self._scalars(n, hypers, 1.0, 1.0), rem, out[n][0])
+                for n in names for rem, m, v in [self.host.state(n)]
+            ])  # fmt: skip
+            return
         self.step([
             TensorStep(*self.host.state(n), grads[n], *out[n], half[n] if half else None,
                        self._scalars(n, hypers, 1.0, 1.0))

@@ -156,8 +156,8 @@ class CpuPart:
         pin_threads: bind the worker threads and the driver to cores (affinity.py).
 
         remainders: hold the master as the int16 remainders of the bf16 weights (remainder.py): each unit's
-        weights are read back from the model into the weight ring before its step, stepped there in place and
-        uploaded from there. In place only: no speculation."""
+        weights are read back from the model into the weight ring before its step (or into its spare's half
+        weights before a speculative one), stepped there with the remainders and uploaded from there."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
@@ -175,8 +175,7 @@ class CpuPart:
         if gpu_assist and (why := assist_needs_engine_adamw(kind, use_torch)) is not None:
             raise ValueError(f"gpu_assist=True {why}")
         with_torch = use_torch or kind != "adam"
-        # FusedAdamW guesses, out of place: not the remainder form
-        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0 and not remainders)
+        self.speculate = bool(speculate and not with_torch and speculation_buffer_bytes > 0)  # FusedAdamW guesses
         # the assist copies master, m and v both ways: pinned, or the copies run at pageable speed;
         # fp32 weights travel back from the master itself, so it is the pinned buffer then
         pin_states = gpu_assist and self.cuda
@@ -372,6 +371,9 @@ class CpuPart:
         t = time.perf_counter()
         out = self.host.spare_views(spare, msg.unit)
         half = self.host.half_views(spare.half, msg.unit) if spare.half is not None else None
+        if self.host.remainders:  # the weights the guess starts from: ordered after the unit's forward, which the
+            # D2H stream follows since this unit's gradients were shipped on it
+            self.copies.weights_to_host([self.params[n] for n in names], [half[n] for n in names], None)
         self.arith.guess(msg.unit, names, msg.grads, out, half, hypers)
         return Guess(spare, {n: hypers[self.group_of[n]] for n in names}), time.perf_counter() - t
 

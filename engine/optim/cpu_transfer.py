@@ -41,13 +41,15 @@ class Transfers:
     def weights_to_host(self, params: list[torch.nn.Parameter], bufs: list[torch.Tensor],
                         after: torch.cuda.Event | None) -> None:  # fmt: skip
         """Copy each parameter into the 1-D host buffer beside it and wait for it: the remainder form's weights,
-        read after the last backward (`after`), which comes after the forward that waited for their upload."""
+        read after `after` (the last backward, which comes after the forward that waited for their upload), or
+        None: after what the D2H stream already follows (a unit's gradients shipped, so its forward)."""
         if not self.cuda:
             for p, b in zip(params, bufs, strict=True):
                 b.copy_(p.detach().reshape(-1))
             return
         with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(after)
+            if after is not None:
+                self.d2h_stream.wait_event(after)
             for p, b in zip(params, bufs, strict=True):
                 b.copy_(p.detach().reshape(-1), non_blocking=True)
             self.d2h_stream.record_event().synchronize()

@@ -82,7 +82,7 @@ def cpu_side_host_bytes(
     fp32 weights, else the half dtype's size (2). grad_bytes: bytes per element of the shipped gradient.
     speculate: overlap is on (speculation needs it). exp_avg_bytes, exp_avg_sq_bytes: the moments' element
     sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16). remainders: the master
-    held as int16 remainders of bf16 weights (optimizer.store_param_remainders), stepped in place only.
+    held as int16 remainders of bf16 weights (optimizer.store_param_remainders).
     repeats: unit_numels[i] stands for repeats[i] consecutive units of that size (a deep model's identical
     layers, counted once).
     For SGD "momentum_buffer" is torch's, which exists only
@@ -107,8 +107,8 @@ def cpu_side_host_bytes(
     parts["grad_scratch"] = _FP32 * largest if (use_torch or kind != "adam") else 0
     parts["weight_staging"] = min(WEIGHT_RING, sum(repeats)) * half_bytes * largest
     spec = 0
-    if speculates(kind, use_torch, speculate and not remainders, speculation_buffer_bytes):
-        per_elem = _FP32 + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
+    if speculates(kind, use_torch, speculate, speculation_buffer_bytes):
+        per_elem = (REMAINDER_BYTES if remainders else _FP32) + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
         spec = _spare_bytes(unit_numels, repeats, per_elem, speculation_buffer_bytes)
     parts["speculation"] = spec
     return parts

@@ -140,9 +140,9 @@ class HostState:
         speculative step's spares (0: none). grad_scratch: one unit's fp32 gradient for torch.optim.
         moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes (precision.py: fp32, bf16 or fp16).
         remainders: the master is held as int16 remainders of the bf16 weights (remainder.py), which the caller
-        reads back from the model into the weight ring; no spares then (the remainder form steps in place)."""
-        if remainders and (half != torch.bfloat16 or spare_budget_bytes):
-            raise ValueError("the remainder form needs bf16 weights and no spares")
+        reads back from the model into the weight ring (a spare's half weights, for an out-of-place step)."""
+        if remainders and half != torch.bfloat16:
+            raise ValueError("the remainder form needs bf16 weights")
         self.remainders = remainders
         self.layout = layout
         self.half = half
@@ -193,10 +193,11 @@ class HostState:
             return [], []
         half_bytes = 0 if self.half is None else torch.empty(0, dtype=self.half).element_size()
         numels = [self.layout.numel[u] for u in units]
-        per_elem = 4 + sum(torch.empty(0, dtype=d).element_size() for d in self.moment_dtypes) + half_bytes
+        master = torch.int16 if self.remainders else torch.float32
+        per_elem = master.itemsize + sum(d.itemsize for d in self.moment_dtypes) + half_bytes
         sizes = [numels[i] for i in speculation_units(numels, per_elem, budget)]
         total = sum(sizes)
-        p = flat_buffer(total, torch.float32, pin_master)
+        p = flat_buffer(total, master, pin_master)
         m, v = (flat_buffer(total, d, pin_moments) for d in self.moment_dtypes)
         h = flat_buffer(total, self.half, pin_half) if self.half is not None else None
         spares, off = [], 0
