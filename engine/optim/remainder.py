@@ -7,7 +7,8 @@ high half was rounded up, so `join` rebuilds the fp32 master bit for bit from th
 would share 65536 codes), hence ties away: the weights differ from that run's only at exact ties.
 
 Host bytes: 2 per CPU-stepped parameter (the remainder) instead of 4; the bf16 weight is the model's own, read
-back from the GPU into the half-weight ring at step time. These are the torch-op forms (the fallback and the
+back from the GPU into the half-weight ring at step time (into a spare's half weights for a speculative step).
+These are the torch-op forms (the fallback and the
 checkpoint path); the compiled pass (csrc/fused_adamw.c, rem_join/rem_split) computes the same bits.
 """
 
