@@ -5,8 +5,11 @@
 #     and bf16 states; TFLOP/s, ratio to the twin, CPU step ms per row (table last in scale.log).
 #  2. the ceiling recipe configs/17b-h200-bf16-states.json (54 x 5120, 17.0 B, the largest the plan admits on one
 #     H200 + 125 GiB with bf16 CPU-side moments) for its 10 iterations: the losses printed last.
+# PART=rem instead: the 8 B rows only, with one more, bf16 states + the remainder master
+# (optimizer.store_param_remainders: 8 B per CPU-stepped parameter on the host instead of 12), no ceiling run
+# (about 5-6 minutes: a 450 s guard).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
-#   tools/precision_gpu.sh [WHEEL_DIR=.whl]
+#   tools/precision_gpu.sh [WHEEL_DIR=.whl]        PART=rem tools/precision_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (a check of the script at tiny shapes): PRECISION_TINY=1 tools/precision_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -25,6 +28,14 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   SCALE=()
   CEILING=()
+fi
+if [ "${PART:-all}" = rem ]; then
+  echo "== 8 B at f=0.3 exact: fp32 states, bf16 states, bf16 states + remainder master, and the 16-layer twin"
+  timeout 450 python3 bin/bench scale --rows fit,exact --variant "bf16-states:$NARROW" \
+    --variant "bf16-states+rem:$NARROW,optimizer.store_param_remainders=true" --json "$OUT/scale_rem.json" \
+    "${SCALE[@]}" 2>&1 | tee "$OUT/scale_rem.log"
+  echo "command: PART=rem tools/precision_gpu.sh $WHL"
+  exit 0
 fi
 echo "== 8 B at f=0.3 exact: fp32 states against bf16 states, and the 16-layer twin"
 timeout 330 python3 bin/bench scale --rows fit,exact --variant "bf16-states:$NARROW" --json "$OUT/scale.json" \
