@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "optimizer_fraction": c.optimizer.optimizer_offload_fraction if c.optimizer.optimizer_cpu_offload else 0.0,
         "auto": {k: v for k, v in plan.auto.items() if v},
         "s_per_iter": s_per_iter,
+        "predicted_s_per_iter": plan.step_time.total_s if plan.step_time is not None else None,  # the plan's model
         "tokens_per_s": tokens / s_per_iter,
         "tflops": tokens * flops_per_token(model, model.config, args.seq)["total"] / s_per_iter / 1e12,
         "plan_gpu_bytes": plan.gpu.total_bytes,

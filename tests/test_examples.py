@@ -32,6 +32,7 @@ def test_hf_causal_lm_offloads_and_saves_a_loadable_model(tmp_path):
                                         "--activation-layers", "2", "--optimizer-fraction", "0.5",
                                         "--save", str(tmp_path)])  # fmt: skip
     assert result["last_loss"] < result["first_loss"]
+    assert result["predicted_s_per_iter"] > 0  # the plan's step-time model, beside the measured s/iter
     act, opt = result["offload"]
     assert act.startswith("activation offload model.layers: 2 of 3 layers wrapped: ") and "per step" in act
     assert opt.startswith("optimizer offload: ")

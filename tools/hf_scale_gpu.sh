@@ -60,20 +60,22 @@ for n in names:
     rows[n] = json.loads(lines[-1][7:]) if lines else None
 twin = next((r for n, r in rows.items() if n.startswith("twin") and r), None)
 g = lambda b: "-" if b is None else f"{b / 2**30:.1f}"
-print("\n| run | layers | params | f | offloaded layers | auto | s/iter | tokens/s | TFLOP/s | vs twin | plan GPU GiB "
+print("\n| run | layers | params | f | offloaded layers | auto | s/iter | predicted s/iter | tokens/s | TFLOP/s | vs twin | plan GPU GiB "
       "| peak GPU GiB | plan/peak GPU | plan host GiB | peak host RSS GiB | plan/peak host |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+pred = lambda r: "-" if r.get("predicted_s_per_iter") is None else f"{r['predicted_s_per_iter']:.2f}"
 for n, r in rows.items():
     if r is None:
-        print(f"| {n} | failed: see {n}.log |" + " |" * 14)
+        print(f"| {n} | failed: see {n}.log |" + " |" * 15)
         continue
     vs = f"{r['tflops'] / twin['tflops']:.0%}" if twin else "-"
     pg = f"{r['plan_gpu_bytes'] / r['peak_gpu_bytes']:.2f}" if r["peak_gpu_bytes"] else "-"
     print(f"| {n} | {r['layers']} | {r['parameters'] / 1e9:.2f} B | {float(r['optimizer_fraction']):.2f} | "
-          f"{r['activation_layers']} | {','.join(k.split('.')[1] for k in r['auto']) or '-'} | {r['s_per_iter']:.2f} | "
+          f"{r['activation_layers']} | {','.join(k.split('.')[1] for k in r['auto']) or '-'} | {r['s_per_iter']:.2f} | {pred(r)} | "
           f"{r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {vs} | {g(r['plan_gpu_bytes'])} | {g(r['peak_gpu_bytes'])} "
           f"| {pg} | {g(r['plan_host_bytes'])} | {g(r['peak_host_bytes'])} | "
           f"{r['plan_host_bytes'] / r['peak_host_bytes']:.2f} |")
 print(f"\ncommand: tools/hf_scale_gpu.sh .whl {part}; FLOPs per token = 6N + 12*L*h*s, "
-      "N = L*(2h^2 + 2h*kv + 3h*f) + h*V; peak host = VmHWM of the process (includes initialize)")
+      "N = L*(2h^2 + 2h*kv + 3h*f) + h*V; peak host = VmHWM of the process (includes initialize); predicted: the "
+      "memory plan's step-time model at its stated rates (engine/planning/step_time.py)")
 PY
