@@ -9,5 +9,6 @@ engine.plan("configs/13b-h200.json", gpu_budget_bytes=139 << 30).gpu.parts   # t
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, initialize
 from engine.planning import plan
+from engine.planning.oom import PlannedOutOfMemoryError
 
-__all__ = ["Config", "ConfigError", "Engine", "initialize", "load_config", "plan"]
+__all__ = ["Config", "ConfigError", "Engine", "PlannedOutOfMemoryError", "initialize", "load_config", "plan"]

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import checkpoint, dist, extras, first_batch, oom, report, user_model
+from engine import checkpoint, dist, extras, first_batch, report, user_model
 from engine.batch import BatchLoss, fused_loss_head, is_causal_lm, takes_labels
 from engine.build import build_model, place_model
 from engine.config import Config, check_world_size, load_config, written_keys
 from engine.data import TokenBatches, load_tokens
 from engine.models.gpt import GPT
 from engine.optim.protocol import EngineOptimizer, as_engine_optimizer
-from engine.planning import preflight
+from engine.planning import oom, preflight
 from engine.planning.budget import Budgets
 from engine.precision import DTYPES, LossScaler, autocast
 from engine.skips import SkippedSteps

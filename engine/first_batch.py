@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import dist, oom, user_model
+from engine import dist, user_model
 from engine.build import build_optimizer
 from engine.config import Config, ConfigError
 from engine.optim.distributed import DistributedOptimizer
 from engine.optim.param_groups import named_parameter_groups
 from engine.optim.protocol import TorchOptimizer
-from engine.planning import preflight
+from engine.planning import oom, preflight
 from engine.planning.budget import Budgets
 from engine.schedule import WarmupDecayLR
 

@@ -11,8 +11,8 @@ import torch
 import engine
 from engine import first_batch
 from engine.config import ConfigError
-from engine.oom import PlannedOutOfMemoryError
 from engine.planning import budget, preflight
+from engine.planning.oom import PlannedOutOfMemoryError
 
 transformers = pytest.importorskip("transformers")
 SEQ = 64

@@ -147,3 +147,10 @@ def test_the_checks_catch_a_planted_circle_and_a_wrong_arrow(tmp_path):
         ROOT = saved
     assert ["engine.offload.groups", "engine.offload.session"] in circles(g)
     assert "engine.offload.groups -> engine.config.rules" in wrong_way(g)
+
+
+def test_engine_has_at_most_22_top_level_modules():
+    """A new mechanism goes into the package of its kind (planning/, optim/, offload/, models/, ...), not beside
+    engine.py: the top level stays small enough to read."""
+    top = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "engine").glob("*.py"))
+    assert len(top) <= 22, f"{len(top)} top-level modules in engine/: {top}"

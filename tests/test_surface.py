@@ -12,7 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_public_names():
-    assert sorted(engine.__all__) == ["Config", "ConfigError", "Engine", "initialize", "load_config", "plan"]
+    assert sorted(engine.__all__) == [
+        "Config",
+        "ConfigError",
+        "Engine",
+        "PlannedOutOfMemoryError",
+        "initialize",
+        "load_config",
+        "plan",
+    ]
 
 
 def test_schema_namespaces():

@@ -11,7 +11,7 @@ from torch import nn
 
 import engine
 from engine.batch import takes_labels
-from engine.oom import PlannedOutOfMemoryError
+from engine.planning.oom import PlannedOutOfMemoryError
 
 T = pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import dist, oom
+from engine import dist
 from engine.config import Config, ConfigError
-from engine.planning import planner, resolve
+from engine.planning import oom, planner, resolve
 from engine.planning.auto import NothingFits, Planner, gib
 from engine.planning.budget import Budgets
 from engine.planning.memory import Plan
