@@ -34,15 +34,17 @@ def gpu_bounds(cfg) -> tuple[int, int]:
 
 def exhaustive(p):
     """What "auto" means, by trying every layer count, each at its smallest fitting grid fraction: the least
-    predicted step time among the fitting plans (ties: fewer layers); None when nothing fits."""
-    best = None
+    predicted step time among the fitting plans (within 1% a tie: fewer layers, then the least fraction); None
+    when nothing fits."""
+    fitting = []
     for k in range(p.max_layers() + 1):
         q = next((q for i in range(STEPS + 1) if (q := p.evaluate(i / STEPS, k)).gpu.fits), None)
         if q is not None and q.fits:
-            cost = p.pricer.price(q).total_s
-            if best is None or cost < best[0]:
-                best = (cost, q)
-    return None if best is None else best[1]
+            fitting.append((p.pricer.price(q).total_s, k, q))
+    if not fitting:
+        return None
+    fastest = min(t for t, _, _ in fitting)
+    return min((x for x in fitting if x[0] <= fastest * 1.01), key=lambda x: (x[1], x[2].fraction))[2]
 
 
 @pytest.mark.parametrize("double_buffering", [False, True])

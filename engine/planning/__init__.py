@@ -197,6 +197,9 @@ def _time_lines(p: Plan) -> list[str]:
              f"  priced with {p.costs}"]  # fmt: skip
     lines += [f"  next candidate: fraction {f:.2f}, {k} offloaded, {r} recomputed layers: {_ms(o.total_s)}"
               for f, k, r, o in p.next_best]  # fmt: skip
+    if any(o.total_s < t.total_s for *_, o in p.next_best):
+        lines.append("  (within 1% of the fastest: a tie, won by fewer offloaded or recomputed layers, then the "
+                     "least fraction)")  # fmt: skip
     return lines
 
 

@@ -4,8 +4,9 @@ The "auto" keys: optimizer.optimizer_offload_fraction (a grid of 0.00, 0.01, ...
 model.cpu_offloading_num_layers (0 to num_layers - 1) and model.recompute_num_layers (layers recomputed right
 after the offloaded ones). Memory is the constraint and time the choice: among the mixes whose plan fits both
 budgets, the one with the least predicted step time wins (engine.planning.pricing / step_time: the CPU step and
-what the schedule hides of it, activation copies beyond compute, recomputed forwards); ties: fewer offloaded
-and recomputed layers. Nothing else is ever changed: the candidates differ only in the keys written "auto", so
+what the schedule hides of it, activation copies beyond compute, recomputed forwards); steps within 1% of the
+fastest are a tie (below what the model can tell apart), won by the fewest offloaded and recomputed layers, then
+the least fraction. Nothing else is ever changed: the candidates differ only in the keys written "auto", so
 the numerics are the ones the config asked for.
 
 The candidates, a number independent of the depth (each found by bisection, O(log num_layers) plans):
@@ -36,6 +37,7 @@ from engine.planning.pricing import Pricer
 from engine.planning.step_time import Costs
 
 STEPS = 100  # the fraction's grid: 0.00, 0.01, ..., 1.00
+TIE = 0.01  # predicted steps this close (a share of the fastest) are a tie: below what the model can tell apart
 KEYS = ("optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers", "model.recompute_num_layers")
 
 
@@ -152,8 +154,7 @@ class Planner:
                 ranked[key] = (self.pricer.price(p).total_s, p.offloaded_layers + p.recomputed_layers, p)
         if not ranked:
             raise NothingFits(self._nothing_fits(nearest, auto, hint))
-        order = [p for _, _, p in sorted(ranked.values(), key=lambda x: (x[0], x[1], x[2].fraction))]
-        chosen, runners = order[0], order[1:3]
+        chosen, runners = _choose(list(ranked.values()))
         if len(runners) < 2:  # fewer were weighed: the chosen mix's neighbours, for the reader to compare
             runners += sorted(self._neighbours(chosen, auto, ranked), key=lambda p: self.pricer.price(p).total_s)
         return replace(
@@ -274,8 +275,9 @@ class Planner:
                 hi = mid - 1
         if found is None:
             return f"not even one layer fits at {shape}"
+        recomputed = f", {found.recomputed_layers} recomputed" if found.recomputed_layers else ""
         return (f"at {shape} at most {hi} layers ({found.parameters / 1e9:.1f} B parameters) fit, with fraction "
-                f"{found.fraction:.2f} and {found.offloaded_layers} offloaded layers")  # fmt: skip
+                f"{found.fraction:.2f} and {found.offloaded_layers} offloaded layers{recomputed}")  # fmt: skip
 
     def with_optimizer_offload(self) -> Settings:
         """These settings with optimizer offload switched on (for a fix to suggest when it is off)."""
@@ -308,3 +310,12 @@ def _first(holds: Callable[[int], bool], lo: int, hi: int) -> int | None:
 def _chain(*its: Iterator[Plan]) -> Iterator[Plan]:
     for it in its:
         yield from it
+
+
+def _choose(priced: list[tuple[float, int, Plan]]) -> tuple[Plan, list[Plan]]:
+    """(the choice, the others fastest first) of (time, offloaded + recomputed layers, plan): among the plans
+    within TIE of the fastest, the one with the fewest layers offloaded or recomputed, then the least fraction."""
+    fastest = min(t for t, _, _ in priced)
+    chosen = min((x for x in priced if x[0] <= fastest * (1 + TIE)), key=lambda x: (x[1], x[2].fraction, x[0]))
+    rest = sorted((x for x in priced if x is not chosen), key=lambda x: (x[0], x[1], x[2].fraction))
+    return chosen[2], [p for _, _, p in rest]
