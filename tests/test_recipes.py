@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import engine
 from engine.bench import scale, scale_run
 from engine.config import load_config
 from engine.engine import initialize
+from engine.planning.auto import NothingFits
 from engine.schedule import lr_at
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,3 +91,16 @@ def test_bench_scale_starts_with_small_steps_at_its_width():
     assert parameters(cfg.model) >= LARGE
     reach = largest_reach(cfg.optimizer, cfg.model, cfg.optimizer.lr_decay_iters or cfg.train.train_iters)
     assert reach <= MAX_REACH, reach
+
+
+def test_the_ceiling_config_is_the_deepest_the_plan_admits_on_an_h200():
+    """configs/20b-h200-narrow-states.json is the largest built-in GPT of its shape the plan admits on one H200
+    (139.2 GiB) with 125 GiB of host: it fits, with both sides near full; one layer more does not."""
+    gib = 2**30
+    budgets = {"gpu_budget_bytes": int(139.2 * gib), "host_budget_bytes": 125 * gib}
+    path = str(ROOT / "configs" / "20b-h200-narrow-states.json")
+    plan = engine.plan(path, **budgets)
+    assert plan.fits and plan.parameters > 20e9
+    assert plan.gpu.total_bytes > 0.98 * plan.gpu.budget_bytes and plan.host.total_bytes > 0.97 * 125 * gib
+    with pytest.raises(NothingFits, match=r"the host needs .*at most 65 layers \(20\.5 B parameters\) fit"):
+        engine.plan(load_config(path, ["model.num_layers=66"]), **budgets)
