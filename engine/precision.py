@@ -1,8 +1,10 @@
-"""Mixed precision: the autocast context for fp32 weights and the fp16 loss scaler."""
+"""Mixed precision: the autocast context for fp32 weights, the fp16 loss scaler, and FP8 through Transformer Engine."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -43,3 +45,78 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
+
+# --- FP8 through Transformer Engine (train.fp8): the recipe from Megatron's keys, the forward's context ----------
+
+FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+FP8_RECIPE_CLASSES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
+                      "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}  # fmt: skip
+DELAYED_ONLY = {"fp8_margin": 0, "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent"}  # key: default
+
+
+def fp8_recipe_kwargs(t: Any) -> tuple[str, dict[str, Any]]:
+    """(TE recipe class name, its keyword arguments) from `train.fp8*`; the format as Format's member name.
+    Kept free of TE so the mapping is checked where TE is not installed."""
+    kwargs: dict[str, Any] = {"fp8_format": t.fp8.upper()}
+    if t.fp8_recipe == "delayed":
+        kwargs.update(margin=t.fp8_margin, amax_history_len=t.fp8_amax_history_len,
+                      amax_compute_algo=t.fp8_amax_compute_algo)  # fmt: skip
+    return FP8_RECIPE_CLASSES[t.fp8_recipe], kwargs
+
+
+def fp8_recipe(t: Any) -> Any:
+    """The Transformer Engine recipe object `train.fp8*` describe (needs TE)."""
+    from transformer_engine.common import recipe
+
+    name, kwargs = fp8_recipe_kwargs(t)
+    kwargs["fp8_format"] = getattr(recipe.Format, kwargs["fp8_format"])
+    return getattr(recipe, name)(**kwargs)
+
+
+def fp8_capability_problem(recipe_name: str, capability: tuple[int, int]) -> str | None:
+    """Why the GPU of `capability` cannot run `recipe_name`, or None."""
+    need = FP8_MIN_CAPABILITY[recipe_name]
+    if capability >= need:
+        return None
+    where = "Blackwell (compute capability 10.0+)" if need >= (10, 0) else f"compute capability {need[0]}.{need[1]}+"
+    fix = 'set train.fp8_recipe="delayed" or "tensorwise"' if recipe_name in ("mxfp8", "blockwise") and capability >= (
+        8, 9) else "set train.fp8=null"  # fmt: skip
+    return (f"the {recipe_name} FP8 recipe needs a GPU of {where}; this one is {capability[0]}.{capability[1]}; "
+            f"{fix}")  # fmt: skip
+
+
+class Fp8Forward:
+    """A fresh TE FP8 context per forward (TE's is a one-shot generator context): FP8 GEMMs in every TE layer the
+    forward runs; the backward runs outside it, as TE wants. Holds no memory of its own: the delayed recipe's amax
+    histories and scales live in TE's modules (a few floats per GEMM)."""
+
+    def __init__(self, t: Any) -> None:
+        import torch.distributed as torch_dist
+        import transformer_engine.pytorch as te
+
+        self._te, self._recipe = te, fp8_recipe(t)
+        # data-parallel ranks agree on the scales, as Megatron reduces amaxes over its data-parallel group
+        ranks = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
+        self._group = torch_dist.group.WORLD if ranks > 1 else None
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        if hasattr(self._te, "autocast"):  # TE 2.8+: fp8_autocast is its deprecated alias
+            return self._te.autocast(enabled=True, recipe=self._recipe, amax_reduction_group=self._group)
+        return self._te.fp8_autocast(enabled=True, fp8_recipe=self._recipe, fp8_group=self._group)
+
+
+def forward_context(device: torch.device, t: Any) -> Callable[[], contextlib.AbstractContextManager]:
+    """The forward's precision context, fresh per call: half-precision autocast (fp32 weights), and TE's FP8 when
+    `train.fp8` is set (the config rules have checked TE, CUDA, the GPU and TE layers by then)."""
+    half = autocast(device, t.precision, t.params_dtype)
+    if t.fp8 is None:
+        return lambda: half
+    fp8 = Fp8Forward(t)
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with half, fp8():
+            yield
+
+    return both

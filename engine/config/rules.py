@@ -416,6 +416,52 @@ def _use_te(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
                       'Transformer Engine layers; set model.recompute_granularity="full" or null')  # fmt: skip
 
 
+@_rule("train.fp8", "train.fp8_recipe", "model.use_te", "model.recompute_granularity", "train.device")
+def _fp8(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    t = c.train
+    if t.fp8 is None:
+        return
+    from engine.extras import te_missing
+    from engine.precision import fp8_capability_problem
+
+    if not c.model.use_te:
+        yield Problem("train.fp8", "FP8 runs in Transformer Engine layers only; set model.use_te=true (the built-in "
+                                   "GPT's TE layers, or megatron-core's TE spec), or train.fp8=null")  # fmt: skip
+    elif (why := te_missing()) is not None:
+        yield Problem("train.fp8", f"{why}, or set train.fp8=null")
+    elif t.device == "cpu" or not _cuda():
+        yield Problem("train.fp8", 'FP8 runs on CUDA only; set train.device="auto" or "cuda" on a GPU, or '
+                                   "train.fp8=null")  # fmt: skip
+    elif (why := fp8_capability_problem(t.fp8_recipe, _capability())) is not None:
+        yield Problem("train.fp8_recipe" if t.fp8_recipe in ("mxfp8", "blockwise") else "train.fp8", why)
+    if c.model.recompute_granularity is not None:
+        yield Problem("model.recompute_granularity", "recompute re-runs layers in backward, outside the forward's "
+                      "FP8 context; set model.recompute_granularity=null, or train.fp8=null")  # fmt: skip
+
+
+@_rule("train.fp8_recipe", "train.fp8_margin", "train.fp8_amax_history_len", "train.fp8_amax_compute_algo")
+def _fp8_delayed_only_keys(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    from engine.precision import DELAYED_ONLY
+
+    t = c.train
+    for key, unset in DELAYED_ONLY.items():
+        if getattr(t, key) != unset and (t.fp8 is None or t.fp8_recipe != "delayed"):
+            yield Problem(f"train.{key}", f'acts only with train.fp8 set and train.fp8_recipe="delayed"; set those, '
+                                          f"or unset train.{key}")  # fmt: skip
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _capability() -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability())
+
+
 @_rule("optimizer.lr_warmup_iters", "optimizer.lr_decay_iters", "train.train_iters")
 def _warmup_within_the_schedule(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     # Megatron's rule: the warm-up lies within the schedule (lr_decay_iters, else train_iters), so a short run
@@ -470,7 +516,7 @@ def _tensorboard_installed(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
 # the discovered layers instead
 BUILTIN_ONLY_KEYS = ("implementation", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "init_method_std", "use_te")  # fmt: skip
-BUILTIN_ONLY_RULES = {"_offloaded_layer_count", "_heads_divide_hidden", "_use_te"}
+BUILTIN_ONLY_RULES = {"_offloaded_layer_count", "_heads_divide_hidden", "_use_te", "_fp8"}
 USER_MODEL_RULES: list[tuple[tuple[str, ...], Rule]] = []
 
 
@@ -497,6 +543,14 @@ def _user_model_recompute(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
             "selective recompute is the built-in GPT's attention core; for a model of your own set "
             'model.recompute_granularity="full" (each layer under torch.utils.checkpoint) or null',
         )
+
+
+@_user_model_rule("train.fp8")
+def _user_model_fp8(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.train.fp8 is not None:
+        yield Problem("train.fp8", "the engine puts FP8 only into the GPT it builds with Transformer Engine layers, "
+                                   "not into a model of your own; build your model from TE modules under TE's own "
+                                   "fp8_autocast, or set train.fp8=null")  # fmt: skip
 
 
 def blocked(reads: Sequence[str], bad: set[str]) -> bool:

@@ -215,6 +215,21 @@ class TrainConfig:
     loss_scale_window: int = 1000
     """fp16 only: steps without overflow before the dynamic scale doubles."""
 
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 compute through Transformer Engine (built-in GPT with model.use_te=true, or megatron-core's TE spec..."""
+
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """FP8 scaling recipe: delayed (per-tensor scale from an amax history), tensorwise (per-tensor current..."""
+
+    fp8_margin: int = 0
+    """Delayed recipe only: margin for the scaling factor computation."""
+
+    fp8_amax_history_len: int = 1
+    """Delayed recipe only: length of the amax history window the scaling factor is computed from."""
+
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """Delayed recipe only: the amax the scale uses: the most recent one, or the largest in the history window."""
+
     seed: int = 1234
     """Random seed for weights and data order."""
 

@@ -185,8 +185,10 @@ def build_gpt(
     if use_te:
         # TE names its device itself (CPU under use_cpu_initialization): let it and megatron-core allocate on the
         # GPU in the final dtype, and skip their init (their CUDA tracker is not reseeded by a second build)
+        # disable_parameter_transpose_cache: TE casts the weights to FP8 at every forward (the engine's optimizer
+        # updates the bf16/fp32 weights between them; megatron's training loop, not ours, resets the cache per step)
         config_overrides = {"use_cpu_initialization": False, "perform_initialization": False, "params_dtype": dtype,
-                            **config_overrides}  # fmt: skip
+                            "disable_parameter_transpose_cache": True, **config_overrides}  # fmt: skip
     else:
         spec = _with_torch_final_norm(spec, model_cfg.num_layers)
     model = MegatronGPT(_gpt_model(model_cfg, spec, dev if use_te else torch.device("meta"), **config_overrides))
