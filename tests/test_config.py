@@ -558,6 +558,15 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
          r"model\.recompute_granularity=\"selective\": the built-in GPT's selective recompute is not built for "
          r"Transformer Engine layers"),
     ],
+    "_fp8": [  # the rest (TE, CUDA, the GPU's compute capability, a model of your own): tests/test_fp8.py
+        (["train.fp8=e4m3"], 1, r"train\.fp8=\"e4m3\": FP8 runs in Transformer Engine layers only; set model\.use_te"),
+        (["train.fp8=hybrid", "model.recompute_granularity=full"], 1,
+         r"model\.recompute_granularity=\"full\": recompute re-runs layers in backward, outside the forward's FP8"),
+    ],
+    "_fp8_delayed_only_keys": [
+        (["train.fp8_margin=1"], 1, r"train\.fp8_margin=1: acts only with train\.fp8 set and "
+                                    r"train\.fp8_recipe=\"delayed\""),
+    ],
     "_checkpoint_keys_need_their_folder": [
         (["checkpoint.keep_last=2"], 1, r"checkpoint\.keep_last=2: acts only with checkpoint\.save set; set "),
         (["checkpoint.save_interval=5"], 1, r"checkpoint\.save_interval=5: acts only with checkpoint\.save set"),
