@@ -104,3 +104,13 @@ def test_the_ceiling_config_is_the_deepest_the_plan_admits_on_an_h200():
     assert plan.gpu.total_bytes > 0.98 * plan.gpu.budget_bytes and plan.host.total_bytes > 0.97 * 125 * gib
     with pytest.raises(NothingFits, match=r"the host needs .*at most 65 layers \(20\.5 B parameters\) fit"):
         engine.plan(load_config(path, ["model.num_layers=66"]), **budgets)
+
+
+def test_auto_recompute_finds_the_host_bound_window_of_the_ceiling_config():
+    """With the host binding below the fraction where the GPU fits without recompute, "auto" recompute must try
+    the host's largest fraction: there the ceiling config fits with fewer than all of its layers recomputed."""
+    gib = 2**30
+    path = str(ROOT / "configs" / "20b-h200-narrow-states.json")
+    plan = engine.plan(load_config(path, ["model.recompute_num_layers=auto"]), gpu_budget_bytes=int(139.2 * gib),
+                       host_budget_bytes=125 * gib)  # fmt: skip
+    assert plan.fits and 0 < plan.recomputed_layers < 65

@@ -218,7 +218,12 @@ class Planner:
             else:
                 alone = self.smallest_gpu_fraction(k, least=floor)
                 top = round(alone.fraction * STEPS) if alone is not None else STEPS
-                steps = [i / STEPS for i in sorted({floor, self._largest_hidden_step(k, floor, top), top})]
+                picks = {floor, self._largest_hidden_step(k, floor, top), top}
+                # where the host binds below `top`, recompute may fit only between: its largest fraction too
+                host = self.largest_host_fraction(k)
+                if host is not None and floor <= round(host * STEPS) < top:
+                    picks.add(round(host * STEPS))
+                steps = [i / STEPS for i in sorted(picks)]
             for f in steps:
                 yield self._fewest_recomputed(f, k)
 
