@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 import engine
 from engine.config.rules import BUILTIN_ONLY_KEYS
@@ -65,3 +66,13 @@ def bin_train() -> Callable[..., subprocess.CompletedProcess]:
         )
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine spinning OpenMP threads cost 10x: a module
+    that trains them asks for this (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,12 +15,7 @@ TINY = ["--device", "cpu", "--seq", "32", "--global-batch", "2", "--iters", "2",
         "--data-bytes", "100000"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest)
 
 
 @pytest.mark.parametrize("name,params", [("llama3-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512),

@@ -30,13 +30,7 @@ OPT = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_frac
        "optimizer.use_distributed_optimizer=true"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine spinning OpenMP threads cost 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest)
 
 
 # --- the models and their batches ------------------------------------------------------------------------------

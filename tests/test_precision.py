@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optim_reference import HP, batches, groups, tiny_gpt
+from optim_reference import HP, batches, groups, tiny_gpt, train_losses
 
-from engine.models.gpt import gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import TensorStep, narrow_slice
@@ -101,22 +100,10 @@ def _opt(model, fraction, m_dtype, v_dtype):
     return opt
 
 
-def _train(model, opt, data) -> list[float]:
-    losses = []
-    for (tokens,) in data:
-        opt.zero_grad(set_to_none=True)
-        loss = gpt_loss(model(tokens), tokens)
-        loss.backward()
-        opt.clip_and_step(1.0)
-        losses.append(loss.item())
-    opt.synchronize()
-    return losses
-
-
 def test_states_are_held_in_their_dtype():
     model = tiny_gpt()
     opt = _opt(model, 1.0, torch.bfloat16, torch.float16)
-    _train(model, opt, batches(2, 1))
+    train_losses(model, opt, batches(2, 1))
     st = opt.state_dict()["state"]
     assert {s["exp_avg"].dtype for s in st.values()} == {torch.bfloat16}
     assert {s["exp_avg_sq"].dtype for s in st.values()} == {torch.float16}
@@ -129,7 +116,7 @@ def test_states_are_held_in_their_dtype():
 def test_checkpoint_across_state_dtypes_and_fractions(saved, loaded, caplog):
     model = tiny_gpt()
     opt = _opt(model, saved[1], saved[0], saved[0])
-    _train(model, opt, batches(3, 1))
+    train_losses(model, opt, batches(3, 1))
     state = opt.state_dict()
     resumed = tiny_gpt(seed=5)
     resumed.load_state_dict(model.state_dict())
@@ -156,7 +143,7 @@ def test_tiny_model_loss_after_200_steps_near_fp32_states():
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_gpt(seed=0)
         opt = _opt(model, 1.0, dtype, dtype)
-        losses = _train(model, opt, data)
+        losses = train_losses(model, opt, data)
         opt.close()
         finals[dtype] = sum(losses[-20:]) / 20
         assert finals[dtype] < losses[0] - 0.5  # it learned

@@ -64,8 +64,8 @@ def largest_reach(o, m, decay_iters: int) -> float:
                      style=o.lr_decay_style) for i in range(1, 11)) * per_lr  # fmt: skip
 
 
-def parameters(m) -> float:
-    return 12 * m.num_layers * m.hidden_size**2
+def parameters(m) -> int:
+    return scale.Shape(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size).params()
 
 
 # At 12.6 B (configs/13b-h200.json on the H200; docs/BENCHMARKS.md, "The 13 B recipe's loss"), a reach of 0.064

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optim_reference import HP, batches, groups, tiny_gpt
+from optim_reference import HP, batches, groups, tiny_gpt, train_losses
 
 from engine.models.gpt import gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions, fused_kernel, remainder
@@ -316,13 +316,7 @@ def test_tiny_model_loss_after_200_steps_near_fp32_states():
     for remainders, moments in ((False, torch.float32), (True, torch.bfloat16)):
         model = tiny_gpt(seed=0, dtype=torch.bfloat16)
         opt = _opt(model, 1.0, remainders, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
-        losses = []
-        for (tokens,) in data:
-            opt.zero_grad(set_to_none=True)
-            loss = gpt_loss(model(tokens), tokens)
-            loss.backward()
-            opt.clip_and_step(1.0)
-            losses.append(loss.item())
+        losses = train_losses(model, opt, data)
         opt.close()
         finals[remainders] = sum(losses[-20:]) / 20
         assert finals[remainders] < losses[0] - 0.5  # it learned
