@@ -6,8 +6,10 @@
 # choice and its GPU/host bytes against the measured peaks, s/iter, tokens/s, TFLOP/s (6N + 12*L*h*s per
 # token) and its ratio to the 16-layer twin (same shape, fits without offload, same tokens per step).
 #   main   seq 4096: "auto" (fraction and offloaded layers), the 16-layer twin, "auto" with the delayed update
-#   grid   seq 4096, hand rows from GRID (default "0.3:16 0.3:24 0.5:8 0.5:16 0.3:rc"; rc = full recompute, no
-#          activation offload): a second call with e.g. GRID="0.3:8 0.5:24 0.5:rc" covers the rest
+#   grid   seq 4096, rows from GRID (default "auto 0.5:0 0.3:8 0.3:16 0.5:8 0.3:rc"; FRACTION:LAYERS offloads that
+#          many layers' activations, FRACTION:rc = full recompute, no activation offload; "auto" is the plan's
+#          choice measured in the same call): a second call with e.g. GRID="0.3:24 0.5:16 0.5:24 0.5:rc" covers
+#          the rest
 #   long   seq 16384: "auto", and its 16-layer twin at "auto"
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
 #   tools/hf_scale_gpu.sh .whl main|grid|long
@@ -38,10 +40,11 @@ case "$PART" in
     row twin "$SEQ" --layers "$TWIN"
     row auto "$SEQ" $AUTO
     row dpu "$SEQ" $AUTO --delayed ;;
-  grid) ROWS=""  # GRID: FRACTION:LAYERS or FRACTION:rc (full recompute) rows; 5 rows take about 8 minutes
-    for cell in ${GRID:-0.3:16 0.3:24 0.5:8 0.5:16 0.3:rc}; do
-      f=${cell%%:*}; k=${cell##*:}; name="f${f}k$k"; ROWS="$ROWS $name"
-      if [ "$k" = rc ]; then row "$name" "$SEQ" --optimizer-fraction "$f" --recompute
+  grid) ROWS=""  # about 1.6 minutes a row
+    for cell in ${GRID:-auto 0.5:0 0.3:8 0.3:16 0.5:8 0.3:rc}; do
+      f=${cell%%:*}; k=${cell##*:}; name="f${f}k$k"; [ "$cell" = auto ] && name=auto; ROWS="$ROWS $name"
+      if [ "$cell" = auto ]; then row auto "$SEQ" $AUTO
+      elif [ "$k" = rc ]; then row "$name" "$SEQ" --optimizer-fraction "$f" --recompute
       else row "$name" "$SEQ" --optimizer-fraction "$f" --activation-layers "$k"; fi
     done ;;
   long) ROWS="twin16k auto16k"
