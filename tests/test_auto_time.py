@@ -92,7 +92,8 @@ def test_the_plan_shows_its_predicted_step_and_the_next_two():
         assert q.fits and p.pricer.price(q) == t and t.total_s * 1.01 >= got.step_time.total_s
     text = format_plan(got)
     assert f"predicted step: {1000 * got.step_time.total_s:,.0f} ms" in text
-    assert "priced with PCIe 0/0 GB/s, CPU step 1000000.0 G params/s" in text and "copies slow, CPU step free" in text
+    assert "rates: PCIe 0.0/0.0 GB/s stated, CPU AdamW 1000000.0 G params/s stated" in text
+    assert "copies slow, CPU step free" in text
     f, k, r, t = got.next_best[0]
     assert f"next candidate: fraction {f:.2f}, {k} offloaded, {r} recomputed layers: {1000 * t.total_s:,.0f} ms" in text
     js = json.loads(json.dumps(got.to_json()))

@@ -25,7 +25,7 @@ def test_public_names():
 
 def test_schema_namespaces():
     schema = json.loads((ROOT / "schemas" / "engine.schema.json").read_text())
-    assert list(schema["properties"]) == ["model", "optimizer", "train", "data", "logging", "checkpoint"]
+    assert list(schema["properties"]) == ["model", "optimizer", "train", "data", "logging", "checkpoint", "plan"]
     assert schema["additionalProperties"] is False
     assert all(s["additionalProperties"] is False for s in schema["properties"].values())
 

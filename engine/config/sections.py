@@ -298,6 +298,26 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """The rates the memory plan prices \"auto\"'s candidates with (engine.planning.step_time): measured on the..."""
+
+    measure_rates: bool | None = None
+    """Measure this machine's rates on CUDA (well under two seconds, once per process): pinned copies each way..."""
+
+    pcie_d2h_gb_per_s: float | None = None
+    """Device-to-host copy rate (pinned, GB/s) the plan prices with; null: measured, else stated (55)."""
+
+    pcie_h2d_gb_per_s: float | None = None
+    """Host-to-device copy rate (pinned, GB/s) the plan prices with; null: measured, else stated (55)."""
+
+    cpu_adam_g_params_per_s: float | None = None
+    """The CPU AdamW step's rate over the CPU-stepped part (G parameters/s) the plan prices with; null: measured..."""
+
+    gpu_tflops: float | None = None
+    """The model's matmul rate in the training dtype (TFLOP/s) the plan prices with; null: measured, else stated..."""
+
+
+@dataclass(frozen=True)
 class Config:
     """The validated run configuration: one frozen section per namespace."""
 
@@ -307,6 +327,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every key of every section as plain JSON values (tuples become lists)."""

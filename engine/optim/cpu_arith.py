@@ -14,6 +14,8 @@ TorchOptimizers   torch.optim on the host masters, one optimizer per layer unit 
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -201,6 +203,39 @@ def narrow_slice(s: TensorStep, a: int, b: int) -> None:
             s.half_out[a:b].copy_(p_out)
     s.m_out[a:b].copy_(m)
     s.v_out[a:b].copy_(v)
+
+
+RATE_HYPER = Hyper(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, momentum=0.0)
+
+
+def step_rate(numel: int, threads: int, *, moments: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+              grad: torch.dtype = torch.bfloat16, half: torch.dtype | None = torch.bfloat16, remainders: bool = False,
+              initializer: Callable[[], None] | None = None, reps: int = 5) -> float:  # fmt: skip
+    """Parameters per second `FusedAdamW` steps in place: `numel` parameters in one state form (moments' dtypes,
+    the remainder master or an fp32 one writing `half` weights, gradients in `grad`), through the pass the CPU part
+    runs (the compiled one where it built) at `threads` threads bound by `initializer`. The median of `reps` steps
+    after one warm-up (first touch, the pool's threads starting)."""
+    p = torch.full((numel,), 0.01)
+    m, v = torch.zeros(numel, dtype=moments[0]), torch.zeros(numel, dtype=moments[1])
+    g = torch.full((numel,), 1e-3, dtype=grad)
+    scalars = adamw_scalars(RATE_HYPER, 2, 1.0, 1.0)
+    if remainders:
+        w, rem = remainder.split(p)
+        step = TensorStep(w, m, v, g, w, m, v, None, scalars, rem, rem)
+    else:
+        out = None if half is None else torch.empty(numel, dtype=half)
+        step = TensorStep(p, m, v, g, p, m, v, out, scalars)
+    arith = FusedAdamW(fused_kernel.load(), threads, host=None, group_of={}, initializer=initializer)
+    try:
+        arith.step([step])
+        seconds = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            arith.step([step])
+            seconds.append(time.perf_counter() - start)
+    finally:
+        arith.close()
+    return numel / statistics.median(seconds)
 
 
 class TorchOptimizers:

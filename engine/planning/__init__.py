@@ -4,8 +4,9 @@
     p = engine.plan("configs/13b-h200.json", gpu_budget_bytes=139 << 30, host_budget_bytes=125 << 30)
     p.fits, p.fraction, p.offloaded_layers, p.gpu.parts, p.host.total_bytes, p.to_json()
 
-Pure: nothing large is allocated and nothing is changed (the built-in GPT is built on the meta device; a user's
-model runs one layer's forward at <= 128 tokens to measure its activations, RNG state restored). The parts and
+Pure: nothing is changed and nothing large is kept (the built-in GPT is built on the meta device; a user's model
+runs one forward of its batch to measure its activations, RNG state restored; on CUDA the rates the step time is
+priced with are measured with a few hundred MiB for a moment: engine.planning.rates). The parts and
 phases are engine.planning.memory's, the activations engine.planning.activations', "auto" engine.planning.auto's; this
 module puts them together and renders them for `bin/train --plan` (a table) and `--plan --json`.
 """
@@ -22,7 +23,7 @@ from torch import nn
 
 from engine.config import Config, load_config
 from engine.offload.api import DEFAULT_MIN_BYTES
-from engine.planning import budget
+from engine.planning import budget, rates
 from engine.planning.auto import NothingFits, Planner, gib
 from engine.planning.census import builtin_census, model_census
 from engine.planning.memory import DevicePlan, Plan, settings_of
@@ -54,6 +55,7 @@ def planner(
     example_batch: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     costs: Costs | None = None,
+    measure_rates: bool | None = None,
 ) -> Planner:
     """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names)."""
     cfg = config if isinstance(config, Config) else load_config(config)
@@ -75,7 +77,11 @@ def planner(
         census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input,
                               example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
     tokens = batch_tokens(example_batch) if example_batch is not None else None
-    return Planner(cfg, census, settings_of(cfg, world), cuda=cuda, gpu_budget=gpu, host_budget=host, costs=costs,
+    settings = settings_of(cfg, world)
+    if costs is None and cuda:
+        here = measure_rates if measure_rates is not None else gpu_budget_bytes is None  # a run on this machine
+        costs = rates.for_plan(cfg, settings, model, here=here)
+    return Planner(cfg, census, settings, cuda=cuda, gpu_budget=gpu, host_budget=host, costs=costs,
                    tokens=tokens)  # fmt: skip
 
 
@@ -92,6 +98,7 @@ def plan(
     example_batch: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     costs: Costs | None = None,
+    measure_rates: bool | None = None,
 ) -> Plan:
     """The memory plan of `config` (a path, dict or Config) for the built-in GPT, or for `model`.
 
@@ -107,11 +114,14 @@ def plan(
     model.seq_length, a guess: the plan then reports no fit and "auto" is refused (engine.initialize without one
     plans at the first micro-batch: engine.first_batch).
 
-    costs: the rates the step time is predicted with (engine.planning.step_time.Costs, e.g. figures measured on
-    the machine that will train); None: the stated defaults for the device (step_time.default_costs)."""
+    costs: the rates the step time is predicted with (engine.planning.step_time.Costs); None: measured on this
+    machine's GPU when the plan is for it (CUDA here and no gpu_budget_bytes; measure_rates=True: whatever the
+    budgets, as for a run here; False: not) or the config's plan.measure_rates=true asks, never where it is
+    false; else stated. A rate the config gives (plan.*) is used as given (engine.planning.rates)."""
     p = planner(config, model, gpu_budget_bytes=gpu_budget_bytes, host_budget_bytes=host_budget_bytes,
                 device=device, data_parallel_size=data_parallel_size, measure_activations=measure_activations,
-                example_input=example_input, example_batch=example_batch, loss_fn=loss_fn, costs=costs)  # fmt: skip
+                example_input=example_input, example_batch=example_batch, loss_fn=loss_fn, costs=costs,
+                measure_rates=measure_rates)  # fmt: skip
     return resolve(p)
 
 
@@ -194,7 +204,7 @@ def _time_lines(p: Plan) -> list[str]:
     cpu = f", CPU step {n(t.cpu_exposed_s)} of {n(t.cpu_step_s)} not hidden" if t.cpu_step_s else ""
     lines = [f"  predicted step: {_ms(t.total_s)}: compute {n(t.compute_s)}, copies not hidden "
              f"{n(t.activation_copies_s)}, recompute {n(t.recompute_s)}, GPU step {n(t.gpu_step_s)}{cpu}",
-             f"  priced with {p.costs}"]  # fmt: skip
+             f"  {p.costs}"]  # fmt: skip
     lines += [f"  next candidate: fraction {f:.2f}, {k} offloaded, {r} recomputed layers: {_ms(o.total_s)}"
               for f, k, r, o in p.next_best]  # fmt: skip
     if any(o.total_s < t.total_s for *_, o in p.next_best):

@@ -64,7 +64,8 @@ class Planner:
 
     def priced(self, p: Plan) -> Plan:
         """`p` with its predicted step time and the rates it was priced with."""
-        return replace(p, step_time=self.pricer.price(p), costs=self.pricer.costs.describe())
+        c = self.pricer.costs
+        return replace(p, step_time=self.pricer.price(p), costs=c.describe(), rates=c.to_json())
 
     def max_layers(self) -> int:
         return max(0, self.census.n_layers - 1)  # the reference: fewer than num_layers

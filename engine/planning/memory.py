@@ -161,7 +161,8 @@ class Plan:
     batch_seen: bool = True  # False: a user's model whose activations were not measured at a batch of its own
     recomputed_layers: int = 0  # full recompute: layers offloaded_layers .. + recomputed_layers - 1
     step_time: StepTime | None = None  # the predicted step (engine.planning.pricing), when priced
-    costs: str = ""  # the rates it was priced with, and where they come from
+    costs: str = ""  # the rates it was priced with, and where each comes from (one line: Costs.describe)
+    rates: dict[str, Any] = field(default_factory=dict)  # the same as JSON (Costs.to_json)
     next_best: tuple[tuple[float, int, int, StepTime], ...] = ()  # "auto": (fraction, k, r, time) of the runners-up
 
     @property
@@ -191,7 +192,8 @@ class Plan:
             "activations": {"source": self.activations_source, "per_layer_bytes": self.layer_activation_bytes,
                             "offloaded_per_layer_bytes": self.offloaded_layer_bytes},
             "notes": list(self.notes),
-            **({} if self.step_time is None else {"predicted_step": {**self.step_time.to_json(), "costs": self.costs},
+            **({} if self.step_time is None else {"predicted_step": {**self.step_time.to_json(), "costs": self.costs,
+                                                                   "rates": dict(self.rates)},
                                                   "next_candidates": [_candidate(*c) for c in self.next_best]}),
             **({} if self.batch_seen else {"batch_seen": False}),
         }  # fmt: skip

@@ -35,7 +35,7 @@ def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int
     budgets = budgets or Budgets()
     p = planner(cfg, model, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
                 device=device.type, data_parallel_size=world, measure_activations=False,
-                example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
+                example_batch=example_batch, loss_fn=loss_fn, measure_rates=_chooses(cfg))  # fmt: skip
     try:
         plan = resolve(p)
     except NothingFits as e:
@@ -53,8 +53,14 @@ def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int
     return resolved
 
 
+def _chooses(cfg: Config) -> bool:
+    """Whether the plan chooses a value ("auto"): only then do the rates matter to the run, and are measured."""
+    m = cfg.model
+    return "auto" in (cfg.optimizer.optimizer_offload_fraction, m.cpu_offloading_num_layers, m.recompute_num_layers)
+
+
 def _predicted(plan: Plan) -> str:
-    return "" if plan.step_time is None else f"; predicted step {1000 * plan.step_time.total_s:,.0f} ms"
+    return "" if plan.step_time is None else f"; predicted step {1000 * plan.step_time.total_s:,.0f} ms, {plan.costs}"
 
 
 def last() -> tuple[Config, Plan] | None:

@@ -13,18 +13,20 @@ from __future__ import annotations
 import functools
 
 from engine.config import Config
+from engine.planning import rates
 from engine.planning.census import Census
 from engine.planning.memory import Plan, Settings
-from engine.planning.step_time import Costs, Mix, Schedule, StepTime, Workload, default_costs, step_time
+from engine.planning.step_time import Costs, Mix, Schedule, StepTime, Workload, step_time
 
 
 class Pricer:
-    """Prices plans of one census and settings with `costs` (None: the stated defaults for the device)."""
+    """Prices plans of one census and settings with `costs` (None: the stated defaults for the device, with the rates
+    the config gives: engine.planning.rates.stated)."""
 
     def __init__(self, cfg: Config, census: Census, settings: Settings, *, cuda: bool, costs: Costs | None = None,
                  tokens: int | None = None) -> None:  # fmt: skip
         self.cfg, self.census, self.settings = cfg, census, settings
-        self.costs = costs or default_costs(cuda=cuda, precision=cfg.train.precision)
+        self.costs = costs or rates.stated(cfg, cuda=cuda)
         self.tokens = tokens or cfg.train.micro_batch_size * cfg.model.seq_length
         self.schedule = Schedule(cpu_offload=settings.cpu_offload, overlap=settings.overlap, delayed=settings.delayed,
                                  grad_bytes=4 if settings.main_grads else settings.weight_elem,

@@ -24,10 +24,10 @@ and `Costs` (rates of this machine, or the stated defaults below), per micro-bat
                               late: optimizer.delayed_param_update)
   step        micro_batches x (forward + backward) + GPU step + the CPU step's exposed part
 
-Where the rates come from is explicit: `default_costs` states them in one place (each with its source),
-`Costs.source` names them in the plan's text, and a caller with a measured figure passes its own
-(`dataclasses.replace(costs, cpu_params_per_s=..., source=...)`). The same formulas run on a CPU device (the
-tests), with its own stated rates.
+Where the rates come from is explicit: `default_costs` states them in one place (each with its source), the
+config's plan section gives any of them, engine.planning.rates measures the others on the machine that trains, and
+`Costs.describe` says which is which in the plan's text ("rates: PCIe 53.1/54.8 GB/s measured, ..."). The same
+formulas run on a CPU device (the tests), with its own stated rates.
 """
 
 from __future__ import annotations
@@ -41,21 +41,55 @@ GB = 1e9
 GPU_STEP_BYTES = 32
 
 
+RATES = {  # Costs' rate fields -> the key that gives each (the plan section of the config)
+    "pcie_d2h_bytes_per_s": "plan.pcie_d2h_gb_per_s",
+    "pcie_h2d_bytes_per_s": "plan.pcie_h2d_gb_per_s",
+    "cpu_params_per_s": "plan.cpu_adam_g_params_per_s",
+    "flops_per_s": "plan.gpu_tflops",
+}
+
+
 @dataclass(frozen=True)
 class Costs:
-    """The rates a mix is priced with (bytes, FLOPs and parameters per second)."""
+    """The rates a mix is priced with (bytes, FLOPs and parameters per second), and where each comes from: measured
+    on this machine (engine.planning.rates), given by the config (the plan section), else stated (`source`)."""
 
     pcie_d2h_bytes_per_s: float  # device to host, pinned
     pcie_h2d_bytes_per_s: float  # host to device, pinned
     cpu_params_per_s: float  # the CPU AdamW step over the CPU-stepped part
     flops_per_s: float  # the model's matmuls, achieved (not the datasheet's peak)
     hbm_bytes_per_s: float  # the GPU side's optimizer step
-    source: str  # where these figures come from, for the plan's text
+    source: str  # where the stated figures come from, for the plan's text
+    measured: frozenset[str] = frozenset()  # the fields measured on this machine
+    given: frozenset[str] = frozenset()  # the fields the config gave
+
+    def origin(self, name: str) -> str:
+        """ "measured", "given" or "stated": where rate field `name` comes from."""
+        return "measured" if name in self.measured else "given" if name in self.given else "stated"
 
     def describe(self) -> str:
-        return (f"PCIe {self.pcie_d2h_bytes_per_s / GB:.0f}/{self.pcie_h2d_bytes_per_s / GB:.0f} GB/s, CPU step "
-                f"{self.cpu_params_per_s / 1e9:.1f} G params/s, compute {self.flops_per_s / 1e12:.0f} TFLOP/s "
-                f"({self.source})")  # fmt: skip
+        """One line: each rate and where it comes from, e.g. "rates: PCIe 53.1/54.8 GB/s measured, CPU AdamW 4.4 G
+        params/s measured, GPU 612 TFLOP/s measured"; the stated ones' source after them."""
+        o = self.origin
+        d2h, h2d = o("pcie_d2h_bytes_per_s"), o("pcie_h2d_bytes_per_s")
+        pcie = d2h if d2h == h2d else f"{d2h}/{h2d}"
+        tflops = self.flops_per_s / 1e12
+        parts = [f"PCIe {self.pcie_d2h_bytes_per_s / GB:.1f}/{self.pcie_h2d_bytes_per_s / GB:.1f} GB/s {pcie}",
+                 f"CPU AdamW {self.cpu_params_per_s / 1e9:.1f} G params/s {o('cpu_params_per_s')}",
+                 f"GPU {tflops:.0f} TFLOP/s {o('flops_per_s')}" if tflops >= 10 else
+                 f"GPU {tflops:.2f} TFLOP/s {o('flops_per_s')}"]  # fmt: skip
+        stated = any(o(name) == "stated" for name in RATES)
+        return "rates: " + ", ".join(parts) + (f" ({self.source})" if stated else "")
+
+    def to_json(self) -> dict[str, object]:
+        """The rates in the units the config gives them, and the fields measured, given and stated."""
+        return {"pcie_d2h_gb_per_s": round(self.pcie_d2h_bytes_per_s / GB, 3),
+                "pcie_h2d_gb_per_s": round(self.pcie_h2d_bytes_per_s / GB, 3),
+                "cpu_adam_g_params_per_s": round(self.cpu_params_per_s / 1e9, 4),
+                "gpu_tflops": round(self.flops_per_s / 1e12, 3), "hbm_gb_per_s": round(self.hbm_bytes_per_s / GB, 1),
+                **{kind: sorted(RATES[n].split(".")[1] for n in RATES if self.origin(n) == kind)
+                   for kind in ("measured", "given", "stated")},
+                "stated_source": self.source}  # fmt: skip
 
 
 def default_costs(*, cuda: bool, precision: str) -> Costs:
