@@ -155,7 +155,8 @@ class Pending:
     def plan(self, batch: Any) -> Config | Exception:
         """The pre-flight at `batch`: the config with "auto" chosen, or its refusal (raised once ranks agree)."""
         try:
-            return preflight.check(self.cfg, self.model, self.device, self.world, self.budgets, batch, self.loss_fn)
+            return preflight.check(self.cfg, self.model, self.device, self.world, self.budgets, batch, self.loss_fn,
+                                   batch_name="first micro-batch")  # fmt: skip
         except ConfigError as e:
             return e
         except torch.OutOfMemoryError as e:  # the measuring forward keeps one layer's activations at a time

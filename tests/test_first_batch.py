@@ -12,6 +12,7 @@ import engine
 from engine import first_batch
 from engine.config import ConfigError
 from engine.planning import budget, preflight
+from engine.planning.batch import describe
 from engine.planning.oom import PlannedOutOfMemoryError
 
 transformers = pytest.importorskip("transformers")
@@ -53,9 +54,9 @@ def events(monkeypatch):
     seen: list = []
     check, build = preflight.check, first_batch.optimizer_for
 
-    def spy_check(cfg, model, device, world, budgets=None, example_batch=None, loss_fn=None):
+    def spy_check(cfg, model, device, world, budgets=None, example_batch=None, loss_fn=None, **kw):
         seen.append(("plan", example_batch))
-        return check(cfg, model, device, world, budgets, example_batch, loss_fn)
+        return check(cfg, model, device, world, budgets, example_batch, loss_fn, **kw)
 
     def spy_build(*args):
         seen.append(("optimizer", None))
@@ -76,14 +77,19 @@ def test_auto_is_chosen_at_the_first_micro_batch_before_the_optimizer_exists(eve
     losses = [eng.train_batch(it), eng.train_batch(it)]
     assert events == [("plan", data[0]), ("optimizer", None)]  # that micro-batch, measured before the build
     cfg, plan = eng.planned
-    assert plan.batch_seen and plan.fits and plan.activations_source.startswith("measured at the example batch")
+    assert plan.batch_seen and plan.fits  # the source line says what it measured: that micro-batch, and its shape
+    assert plan.activations_source.startswith(f"measured at the first micro-batch, shape {describe(data[0])}, on cpu")
     assert cfg is eng.config and isinstance(eng.config.optimizer.optimizer_offload_fraction, float)
     assert optimizer.param_groups is first_batch.raw(eng.optimizer).param_groups and scheduler.last_epoch == 2
     # the same choice, plan and training as with that micro-batch given to initialize
     ref, _, _ = engine.initialize(model=llama(), config=config(AUTO), example_batch=data[0], memory_budgets=budgets)
     it = iter(data)
     assert [ref.train_batch(it), ref.train_batch(it)] == losses
-    assert ref.config == eng.config and ref.planned[1].to_json() == plan.to_json()
+    given, first = ref.planned[1].to_json(), plan.to_json()
+    assert given["activations"].pop("source") == first["activations"].pop("source").replace(
+        "first micro-batch", "example batch"
+    )
+    assert ref.config == eng.config and given == first
 
 
 def test_a_first_micro_batch_that_does_not_fit_is_refused_before_the_optimizer_is_built(events):

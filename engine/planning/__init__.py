@@ -56,8 +56,10 @@ def planner(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     costs: Costs | None = None,
     measure_rates: bool | None = None,
+    batch_name: str = "example batch",
 ) -> Planner:
-    """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names)."""
+    """The Planner behind `plan` (the pre-flight also asks it for the bounds a refusal names). batch_name: what
+    example_batch is, for the plan's source line (the engine's first micro-batch, or an example batch)."""
     cfg = config if isinstance(config, Config) else load_config(config)
     cuda = target_is_cuda(cfg, device, gpu_budget_bytes)
     world = data_parallel_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -75,7 +77,7 @@ def planner(
         census = builtin_census(cfg, cuda=cuda)
     else:
         census = model_census(cfg, model, cuda=cuda, measure=measure_activations, example_input=example_input,
-                              example_batch=example_batch, loss_fn=loss_fn)  # fmt: skip
+                              example_batch=example_batch, loss_fn=loss_fn, batch_name=batch_name)  # fmt: skip
     tokens = batch_tokens(example_batch) if example_batch is not None else None
     settings = settings_of(cfg, world)
     if costs is None and cuda:

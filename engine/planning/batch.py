@@ -63,10 +63,12 @@ def measure_batch(
     autocast: contextlib.AbstractContextManager | None = None,
     float_dtype: torch.dtype | None = None,
     fused: tuple[nn.Linear, int] | None = None,
+    batch_name: str = "example batch",
 ) -> Activations:
     """The storages one forward of `batch` saves, per layer of `layers` (in forward order) and outside them.
 
-    fused: (output head, chunk tokens) of model.fused_linear_cross_entropy: the loss is computed as training will."""
+    fused: (output head, chunk tokens) of model.fused_linear_cross_entropy: the loss is computed as training will.
+    batch_name: what `batch` is, for the source line ("example batch", "first micro-batch")."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     params = [*model.parameters(), *model.buffers()]
@@ -126,7 +128,7 @@ def measure_batch(
         head=head,
         logits_transient=logits,
         backward_working=backward_working(1, residual, 1, largest),
-        source=f"measured at the example batch ({describe(batch)}) on {device.type}{attention(model)}",
+        source=f"measured at the {batch_name}, shape {describe(batch)}, on {device.type}{attention(model)}",
     )
 
 

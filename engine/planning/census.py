@@ -217,6 +217,7 @@ def model_census(
     example_input: Callable[[int, int, torch.device], tuple[Any, ...]] | None = None,
     example_batch: Any = None,
     loss_fn: Any = None,
+    batch_name: str = "example batch",
 ) -> Census:
     """A user's model: its parameters counted; its activations measured at `example_batch` (one micro-batch,
     engine.planning.batch), else its first layer's at model.seq_length (measure=False: not), which is a guess: the
@@ -246,7 +247,7 @@ def model_census(
                        logits_transient=0, backward_working=0, source="not measured")  # fmt: skip
     seen = example_batch is not None
     if layers is not None and seen:
-        acts = _measure_batch(cfg, model, layers, example_batch, loss_fn, notes)
+        acts = _measure_batch(cfg, model, layers, example_batch, loss_fn, notes, batch_name)
     elif layers is not None and measure:
         acts = _measure(cfg, model, layers, example_input, notes)
         notes.append(f"activations measured at model.seq_length={cfg.model.seq_length}, a guess: no batch of "
@@ -287,17 +288,18 @@ def _precision_context(cfg: Config, model: nn.Module, notes: list[str]):
     return ctx, (first.dtype if half_now else None)
 
 
-def _measure_batch(cfg: Config, model: nn.Module, layers: list, batch: Any, loss_fn: Any, notes: list[str]
-                   ) -> Activations:  # fmt: skip
+def _measure_batch(cfg: Config, model: nn.Module, layers: list, batch: Any, loss_fn: Any, notes: list[str],
+                   name: str) -> Activations:  # fmt: skip
     from engine.planning.batch import batch_rows, measure_batch
 
     rows, mbs = batch_rows(batch), cfg.train.micro_batch_size
     if rows is not None and rows != mbs:
-        raise ValueError(f"example_batch has {rows} rows and train.micro_batch_size={mbs}: pass one "
+        given = "example_batch" if name == "example batch" else f"the {name}"
+        raise ValueError(f"{given} has {rows} rows and train.micro_batch_size={mbs}: pass one "
                          f"micro-batch of {mbs} rows (the plan measures what one micro-batch holds)")  # fmt: skip
     ctx, float_dtype = _precision_context(cfg, model, notes)
     acts = measure_batch(model, layers, batch, loss_fn=loss_fn, autocast=ctx, float_dtype=float_dtype,
-                         fused=_fused_loss(cfg, model, loss_fn))  # fmt: skip
+                         fused=_fused_loss(cfg, model, loss_fn), batch_name=name)  # fmt: skip
     if cfg.train.params_dtype == "half" and ctx is not None:  # the cast's copies will not exist under half weights
         acts = replace(acts, layers=[[s for s in ly if not s.weight_copy] for ly in acts.layers],
                        head=[s for s in acts.head if not s.weight_copy])  # fmt: skip

@@ -24,7 +24,7 @@ _last: tuple[Config, Plan] | None = None  # (the resolved config, its plan), for
 
 
 def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int, budgets: Budgets | None = None,
-          example_batch: Any = None, loss_fn: Any = None) -> Config:  # fmt: skip
+          example_batch: Any = None, loss_fn: Any = None, batch_name: str = "example batch") -> Config:  # fmt: skip
     """The config with "auto" values chosen; ConfigError (one line) when the plan does not fit.
 
     On a CPU run the GPU check does not apply (the device is the host; the host check does). A given model's
@@ -35,7 +35,8 @@ def check(cfg: Config, model: nn.Module | None, device: torch.device, world: int
     budgets = budgets or Budgets()
     p = planner(cfg, model, gpu_budget_bytes=budgets.gpu_bytes, host_budget_bytes=budgets.host_bytes,
                 device=device.type, data_parallel_size=world, measure_activations=False,
-                example_batch=example_batch, loss_fn=loss_fn, measure_rates=_chooses(cfg))  # fmt: skip
+                example_batch=example_batch, loss_fn=loss_fn, measure_rates=_chooses(cfg),
+                batch_name=batch_name)  # fmt: skip
     try:
         plan = resolve(p)
     except NothingFits as e:
