@@ -19,6 +19,7 @@ from torch import nn
 from engine import checkpoint, dist, extras, first_batch, report, user_model
 from engine.batch import BatchLoss, fused_loss_head, is_causal_lm, takes_labels
 from engine.build import build_model, place_model
+from engine.checkpoint import resume
 from engine.config import Config, check_world_size, load_config, written_keys
 from engine.data import TokenBatches, load_tokens
 from engine.models.gpt import GPT
@@ -278,61 +279,16 @@ class Engine:
         return dist.on_main(lambda: user_model.save_pretrained(self._module, save_dir, **kwargs))
 
     def save_checkpoint(self, save_dir: str, client_state: dict | None = None) -> str:
-        """Atomically saves everything a resumed run needs to continue with the same losses."""
+        """Atomically saves everything a resumed run needs to continue with the same losses
+        (engine.checkpoint.resume.engine_state); rank 0 writes."""
         self.synchronize()
-        state = {
-            "iteration": self.iteration,
-            "optimizer": self.optimizer.state_dict(),
-            "model": self.module.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "loss_scaler": self.scaler.state_dict(),
-            "rng": {
-                "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-            "data": dist.data_state(None if self.data_iter is None else self.data_iter.state_dict()),
-            "client_state": client_state or {},
-        }
-        keep = self.config.checkpoint.keep_last
-        return str(dist.on_main(lambda: checkpoint.save(save_dir, self.iteration, state, keep)))  # rank 0 writes
+        state, keep = resume.engine_state(self, client_state), self.config.checkpoint.keep_last
+        return str(dist.on_main(lambda: checkpoint.save(save_dir, self.iteration, state, keep)))
 
     def load_checkpoint(self, load_dir: str) -> dict:
         """Restores the newest checkpoint under `load_dir` (or the `iter_*` folder it names) after verifying
         every byte against its manifest; returns its client_state."""
-        state = checkpoint.load(load_dir)
-        if (why := checkpoint.state_mismatch(self.module.state_dict(), state["model"])) is not None:
-            raise checkpoint.CheckpointError(
-                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}) does not fit this model: "
-                f"{why}; load it with the model.* settings it was saved with"
-            )
-        self.module.load_state_dict(state["model"])
-        if self._optimizer is None:  # built at the first micro-batch, which loads its state (held until then)
-            self._pending.restore.append(lambda: self._load_optimizer_state(state, load_dir))
-        else:
-            self._load_optimizer_state(state, load_dir)
-        self.scaler.load_state_dict(state["loss_scaler"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if torch.cuda.is_available() and state["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        if state["data"] is not None:
-            if self.data_iter is None:
-                self.data_iter = self.default_data()
-            self.data_iter.load_state_dict(dist.rescale_data_state(state["data"], self.data_parallel_size))
-        self.iteration = int(state["iteration"])
-        self.micro_step = 0
-        return state["client_state"]
-
-    def _load_optimizer_state(self, state: dict, load_dir: str) -> None:
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise checkpoint.CheckpointError(
-                f"checkpoint.load={str(load_dir)!r} (iteration {state['iteration']}): its optimizer state does "
-                f"not fit optimizer.* of this run ({type(e).__name__}: {first}); resume with the optimizer "
-                "settings it was saved with"
-            ) from e
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return resume.restore(self, checkpoint.load(load_dir), load_dir)
 
 
 def initialize(
