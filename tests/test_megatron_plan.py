@@ -10,6 +10,8 @@ pytest.importorskip("megatron.core", reason="Requires: megatron-core")
 
 from engine import megatron  # noqa: E402
 from engine.config import ConfigError, load_config  # noqa: E402
+from engine.megatron import gpt  # noqa: E402
+from engine.megatron.gpt import meta_gpt  # noqa: E402
 from engine.optim.partition import forward_order  # noqa: E402
 from engine.planning import plan  # noqa: E402
 from engine.planning.activations import measure_layer_once  # noqa: E402
@@ -41,16 +43,39 @@ def test_census_counts_the_megatron_models_own_parameters_in_forward_order(param
     census = megatron_census(cfg, cuda=False)
     model = built(cfg, torch.float32 if params_dtype == "fp32" else torch.bfloat16)
     real = [(n, p.numel()) for n, p in model.named_parameters()]
-    assert sorted((n, s.numel()) for n, s in census.named) == sorted(real)
+    named = census.expanded()
+    assert sorted((n, x) for n, x, _ in named) == sorted(real)
     assert census.parameters == sum(p.numel() for p in model.parameters())
     assert census.weight_bytes == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    for n, _ in census.named:  # each decoder parameter in its layer, the embedding and output outside them
-        i = census.layer_of[n]
-        assert (i is None) == (".layers." not in n), n
-        if i is not None:
-            assert n.startswith(f"gpt.decoder.layers.{i}."), n
+    for n, _, group in named:  # each decoder parameter in its layer, the embedding and output outside them
+        assert isinstance(group, str) == (".layers." not in n), n
+        if not isinstance(group, str):
+            assert n.startswith(f"gpt.decoder.layers.{group}."), n
     # in the hybrid optimizer's order (engine.optim.partition.forward_order over the model's names)
-    assert [n for n, _ in census.named] == forward_order([n for n, _ in real])
+    assert [n for n, _, _ in named] == forward_order([n for n, _ in real])
+
+
+@pytest.mark.parametrize("depth", [1, 2, 7])
+def test_census_at_depth_n_equals_the_full_depth_build(depth, monkeypatch):
+    """Built at two layers and counted per layer shape, the census holds every parameter of the model megatron
+    builds at the full depth: names, sizes, order, gradient groups and weight bytes."""
+    cfg = load_config({"model": {**SHAPE, "num_layers": depth}, "train": {"device": "cpu", "params_dtype": "half",
+                                                                           "precision": "bf16"}})  # fmt: skip
+    depths = []
+    monkeypatch.setattr(gpt, "meta_gpt", lambda m, **kw: (depths.append(m.num_layers), meta_gpt(m, **kw))[1])
+    census = megatron_census(cfg, cuda=False)
+    assert depths == [min(depth, 2)]  # built at two layers whatever the depth
+    full = meta_gpt(cfg.model)
+    index = {id(p): i for i, layer in enumerate(full.layers) for p in layer.parameters()}
+    names = forward_order([n for n, _ in full.named_parameters()])
+    params = dict(full.named_parameters())
+    first = next(i for i, n in enumerate(names) if id(params[n]) in index)
+    want = [(n, params[n].numel(), index.get(id(params[n]), "input" if i < first else "output"))
+            for i, n in enumerate(names)]  # fmt: skip
+    assert census.expanded() == want and census.n_layers == depth
+    assert census.parameters == sum(p.numel() for p in full.parameters())
+    assert census.weight_bytes == 2 * sum(x.numel() for x in [*full.parameters(), *full.buffers()])
+    assert [r.count for r in census.runs if r.count > 1] == ([depth] if depth > 1 else [])  # the layers: one run
 
 
 @pytest.mark.parametrize("params_dtype", ["fp32", "half"])
