@@ -169,3 +169,19 @@ def test_the_loss_is_counted_at_the_peak_it_allocates(fused, precision):
     assert planned == pytest.approx(max(forward, p.peak), rel=0.03)
     full_logits = 256 * 8192 * 4
     assert (acts.logits_transient < full_logits) == fused
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_user_model_that_does_not_fit_is_told_to_recompute(recompute):
+    """A user model has no depth the plan can shrink; recomputing layers is the fix left inside the run."""
+    torch.manual_seed(0)
+    extra = ["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
+             "optimizer.optimizer_offload_fraction=auto", "model.cpu_offloading=true",
+             "model.cpu_offloading_num_layers=auto"]  # fmt: skip
+    if recompute:
+        extra += ["model.recompute_granularity=full", "model.recompute_num_layers=auto"]
+    with pytest.raises(NothingFits) as e:
+        engine.plan(config(2, extra), llama(), device="cpu", gpu_budget_bytes=1 << 20, host_budget_bytes=1 << 20,
+                    example_batch=batch_for("llama", 2, 32))  # fmt: skip
+    assert "use a smaller model or lower train.micro_batch_size (now 2)" in str(e.value)
+    assert ('model.recompute_granularity="full" and model.recompute_num_layers="auto"' in str(e.value)) != recompute

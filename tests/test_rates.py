@@ -62,7 +62,15 @@ def test_the_plan_prices_with_the_rates_it_measured(fake_gpu):
     for d2h, h2d, cpu in ((FAST, FAST, SLOW), (SLOW, SLOW, FAST)):  # copies free / the CPU step free
         fake_gpu.update(d2h=d2h, h2d=h2d, cpu=cpu, flops=1e12)
         p, got = measured_plan(c)
-        given = Costs(d2h, h2d, cpu, 1e12, p.pricer.costs.hbm_bytes_per_s, "test")
+        given = Costs(
+            d2h,
+            h2d,
+            cpu,
+            1e12,
+            p.pricer.costs.hbm_bytes_per_s,
+            "test",
+            copy_share_under_compute=p.pricer.costs.copy_share_under_compute,
+        )
         same = resolve(planner(c, gpu_budget_bytes=both_routes_fit(c), host_budget_bytes=100 * GIB, costs=given))
         assert (got.fraction, got.offloaded_layers, got.step_time) == (same.fraction, same.offloaded_layers,
                                                                        same.step_time)  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.planning.step_time import GPU_STEP_BYTES, Costs, Mix, Schedule, Workload, default_costs, step_time
@@ -41,6 +43,16 @@ def test_activation_copies_show_only_beyond_compute():
     assert slower_link.activation_copies_s == pytest.approx(2 * (10 - 6))  # D2H only: 10 s under a 6 s forward
     slow_reload = step_time(WORK, mix(k=1, moved=5 * 10**9), EXACT, Costs(1e9, 0.25e9, 1e9, 1e12, 1e12, "t"))
     assert slow_reload.activation_copies_s == pytest.approx(2 * (20 - 12))  # H2D only: 20 s under a 12 s backward
+
+
+def test_covered_copies_show_their_stated_share():
+    shared = dataclasses.replace(COSTS, copy_share_under_compute=0.2)
+    covered = step_time(WORK, mix(k=1, moved=5 * 10**9), EXACT, shared)  # 5 s each way under 6 s and 12 s
+    assert covered.activation_copies_s == pytest.approx(2 * (0.2 * 5 + 0.2 * 5))
+    # where the link binds the copies' own time stands (20 s > 6 + 4 s and > 12 + 4 s), not compute + share
+    bound = step_time(WORK, mix(k=3, moved=20 * 10**9), EXACT, shared)
+    assert bound.activation_copies_s == pytest.approx(2 * (14 + 8))
+    assert default_costs(cuda=True, precision="bf16").copy_share_under_compute == 0.2
 
 
 def test_recompute_adds_the_layers_forward_and_covers_reloads():

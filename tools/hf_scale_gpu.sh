@@ -10,8 +10,9 @@
 #          many layers' activations, FRACTION:rc = full recompute, no activation offload; "auto" is the plan's
 #          choice measured in the same call): a second call with e.g. GRID="0.3:24 0.5:16 0.5:24 0.5:rc" covers
 #          the rest
-#   long   seq 16384, 2 micro-batches per step (the same 32,768 tokens per step): "auto", and its 16-layer twin
-#          at "auto"
+#   long   seq 16384, 2 micro-batches per step (the same 32,768 tokens per step): "auto" with recompute_num_layers
+#          "auto" too (without recompute no mix fits the host: 30 offloaded layers need 158.7 GiB), and its
+#          16-layer twin at "auto"
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels):
 #   tools/hf_scale_gpu.sh .whl main|grid|long
 # CPU dry run of the script itself (a tiny Llama, 2 iterations a row): HF_SCALE_TINY=1 tools/hf_scale_gpu.sh none main
@@ -50,7 +51,7 @@ case "$PART" in
     done ;;
   long) ROWS="twin16k auto16k"
     row twin16k "$LONG" --accum 2 --layers "$TWIN" $AUTO
-    row auto16k "$LONG" --accum 2 $AUTO ;;
+    row auto16k "$LONG" --accum 2 $AUTO --recompute --override model.recompute_num_layers=auto ;;
   *) echo "PART: main, grid or long"; exit 2 ;;
 esac
 python3 - "$OUT" "$PART" $ROWS <<'PY'

@@ -264,7 +264,11 @@ class Planner:
         m, t = self.cfg.model, self.cfg.train
         shape = f"hidden {m.hidden_size}, seq {m.seq_length}, micro-batch {t.micro_batch_size}"
         if not self.census.builtin:
-            return f"use a smaller model or lower train.micro_batch_size (now {t.micro_batch_size})"
+            fix = f"use a smaller model or lower train.micro_batch_size (now {t.micro_batch_size})"
+            if not self.settings.recompute:  # recomputing frees what the host and the GPU would hold
+                fix += ', or let the plan recompute layers: model.recompute_granularity="full" and '
+                fix += 'model.recompute_num_layers="auto"'
+            return fix
         lo, hi, found = 1, m.num_layers - 1, None
         fraction = "auto" if self.settings.cpu_offload else 0.0
         while lo <= hi:  # fitting falls with depth
