@@ -95,6 +95,6 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
             speculation_buffer_mb=o.speculation_buffer_mb,
             exp_avg_dtype=STATE_DTYPE[o.exp_avg_dtype],
             exp_avg_sq_dtype=STATE_DTYPE[o.exp_avg_sq_dtype],
-            store_param_remainders=offload and o.store_param_remainders,
+            store_param_remainders=o.store_param_remainders,  # both parts: acts at fraction 0 too
         ),
     )

@@ -9,6 +9,7 @@ import torch
 
 from engine.models.gpt import GPT, gpt_loss
 from engine.optim import HybridDeviceOptimizer, HybridOptions
+from engine.optim.adam_math import Hyper
 
 VOCAB, SEQ = 64, 16
 
@@ -128,3 +129,14 @@ def train_losses(model: torch.nn.Module, opt: HybridDeviceOptimizer, data) -> li
         losses.append(loss.item())
     opt.synchronize()
     return losses
+
+
+def reference_f64(p, m, v, g, h: Hyper, step: int, m_dtype, v_dtype):
+    """AdamW in float64 from the stored (widened) states; moments rounded to nearest into their dtypes."""
+    p, m, v, g = (t.double() for t in (p, m, v, g))
+    p = p * (1 - h.lr * h.weight_decay)
+    m = m + (1 - h.beta1) * (g - m)
+    v = h.beta2 * v + (1 - h.beta2) * g * g
+    denom = v.sqrt() / (1 - h.beta2**step) ** 0.5 + h.eps
+    p = p - h.lr / (1 - h.beta1**step) * m / denom
+    return p, m.to(m_dtype), v.to(v_dtype)

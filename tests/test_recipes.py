@@ -94,23 +94,24 @@ def test_bench_scale_starts_with_small_steps_at_its_width():
 
 
 def test_the_ceiling_config_is_the_deepest_the_plan_admits_on_an_h200():
-    """configs/20b-h200-narrow-states.json is the largest built-in GPT of its shape the plan admits on one H200
-    (139.2 GiB) with 125 GiB of host: it fits, with both sides near full; one layer more does not."""
+    """configs/23b-h200-narrow-states.json is the largest built-in GPT of its shape the plan admits on one H200
+    (139.2 GiB) with 125 GiB of host, narrow states on both sides of the split: it fits, with both sides near full;
+    one layer more does not."""
     gib = 2**30
     budgets = {"gpu_budget_bytes": int(139.2 * gib), "host_budget_bytes": 125 * gib}
-    path = str(ROOT / "configs" / "20b-h200-narrow-states.json")
+    path = str(ROOT / "configs" / "23b-h200-narrow-states.json")
     plan = engine.plan(path, **budgets)
-    assert plan.fits and plan.parameters > 20e9
+    assert plan.fits and plan.parameters > 23e9
     assert plan.gpu.total_bytes > 0.98 * plan.gpu.budget_bytes and plan.host.total_bytes > 0.97 * 125 * gib
-    with pytest.raises(NothingFits, match=r"the host needs .*at most 65 layers \(20\.5 B parameters\) fit"):
-        engine.plan(load_config(path, ["model.num_layers=66"]), **budgets)
+    with pytest.raises(NothingFits, match=r"the host needs .*at most 74 layers \(23\.3 B parameters\) fit"):
+        engine.plan(load_config(path, ["model.num_layers=75"]), **budgets)
 
 
 def test_auto_recompute_finds_the_host_bound_window_of_the_ceiling_config():
     """With the host binding below the fraction where the GPU fits without recompute, "auto" recompute must try
     the host's largest fraction: there the ceiling config fits with fewer than all of its layers recomputed."""
     gib = 2**30
-    path = str(ROOT / "configs" / "20b-h200-narrow-states.json")
+    path = str(ROOT / "configs" / "23b-h200-narrow-states.json")
     plan = engine.plan(load_config(path, ["model.recompute_num_layers=auto"]), gpu_budget_bytes=int(139.2 * gib),
                        host_budget_bytes=125 * gib)  # fmt: skip
-    assert plan.fits and 0 < plan.recomputed_layers < 65
+    assert plan.fits and 0 < plan.recomputed_layers < 74

@@ -133,11 +133,13 @@ def test_training_bit_equal_until_a_tie_steers_it(max_norm):
     """A real loop (the loss reads the weights; backward hooks ship the gradients, so units are guessed out of
     place during backward and, unclipped, committed): step for step the same loss, masters and moments as the
     fp32-master run, and the same weights but where the master sits at an exact tie (ties away from zero, not to
-    even); from the first step where such a weight differs, the runs' paths may part: compared until then."""
+    even); from the first step where such a weight differs, the runs' paths may part: compared until then.
+    All CPU-stepped: at fraction 0.5 the GPU part's remainder weights tie within a step or two here (its split
+    in a loop: tests/test_gpu_states.py)."""
     runs = []
     for remainders in (False, True):
         model = tiny_gpt(dtype=torch.bfloat16)
-        opt = _opt(model, 0.5, remainders)
+        opt = _opt(model, 1.0, remainders)
         steps = []
         for (tokens,) in batches(6, 1):
             opt.zero_grad(set_to_none=True)
@@ -182,7 +184,7 @@ def test_checkpoint_both_ways(direction):
         for k in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(_bits(back[n][k]), _bits(st[k])), (n, k)
         w = dict(resumed.named_parameters())[n].detach()
-        want = remainder.split(st["master"])[0] if n in opt2.cpu_names and not first else st["master"].bfloat16()
+        want = remainder.split(st["master"])[0] if not first else st["master"].bfloat16()  # both parts
         assert torch.equal(_bits(w), _bits(want)), n
     opt.close()
     opt2.close()
@@ -231,7 +233,6 @@ def test_config_key_reaches_the_cpu_part_and_the_plan():
     OFFLOAD[:-2] + ["train.precision=fp16", "train.params_dtype=half"] + REM,
     OFFLOAD + REM + ["optimizer.delayed_param_update=true"],
     OFFLOAD + REM + ["optimizer.cpu_offload_gpu_assist=true"],
-    OFFLOAD[2:] + REM,  # no CPU-stepped part
 ])  # fmt: skip
 def test_config_refusals_in_one_line(over):
     from engine.config import ConfigError, load_config

@@ -309,13 +309,9 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
             yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
                           f"set it, or set optimizer.{k}='fp32'")  # fmt: skip
         elif o.implementation != "engine" or o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
-            yield Problem(f"optimizer.{k}", "narrows the engine's own CPU AdamW's states only: set "
-                          "optimizer.implementation='engine', optimizer.optimizer='adam' and "
+            yield Problem(f"optimizer.{k}", "narrows the engine's own AdamW's states only (both parts of the split): "
+                          "set optimizer.implementation='engine', optimizer.optimizer='adam' and "
                           f"use_torch_optimizer_for_cpu_offload=false, or optimizer.{k}='fp32'")  # fmt: skip
-        elif not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
-            yield Problem(f"optimizer.{k}", "narrows the CPU-stepped part's states, which exist only with "
-                          "optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction > 0 (the "
-                          f"GPU-stepped part keeps fp32); set them, or set optimizer.{k}='fp32'")  # fmt: skip
         elif o.cpu_offload_gpu_assist:
             yield Problem(f"optimizer.{k}", "does not combine with optimizer.cpu_offload_gpu_assist=true (the "
                           "assist streams fp32 states); set one of them back")  # fmt: skip
@@ -336,17 +332,16 @@ def _remainders(c: SimpleNamespace) -> Iterator[Problem]:
         )
     elif o.implementation != "engine" or o.optimizer != "adam" or o.use_torch_optimizer_for_cpu_offload:
         why = (
-            "is the engine's own CPU AdamW's: set optimizer.implementation='engine', optimizer.optimizer='adam' "
-            "and use_torch_optimizer_for_cpu_offload=false"
+            "is the engine's own AdamW's (both parts of the split): set optimizer.implementation='engine', "
+            "optimizer.optimizer='adam' and use_torch_optimizer_for_cpu_offload=false"
         )
-    elif not o.optimizer_cpu_offload or o.optimizer_offload_fraction == 0:
+    elif o.cpu_offload_gpu_assist:
+        why = "does not combine with optimizer.cpu_offload_gpu_assist=true (it streams fp32 masters); set one back"
+    elif o.delayed_param_update:
         why = (
-            "acts on the CPU-stepped part, which exists only with optimizer.optimizer_cpu_offload=true and "
-            "optimizer.optimizer_offload_fraction > 0"
+            "does not combine with optimizer.delayed_param_update=true (the CPU-stepped weights lag their masters, "
+            "and the remainder form's master is its weight); set one of them back"
         )
-    elif o.cpu_offload_gpu_assist or o.delayed_param_update:
-        clash = "cpu_offload_gpu_assist" if o.cpu_offload_gpu_assist else "delayed_param_update"
-        why = f"does not combine with optimizer.{clash}=true; set one of them back"
     if why is not None:
         yield Problem(key, f"{why}, or set {key}=false")
 

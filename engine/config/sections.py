@@ -169,7 +169,7 @@ class OptimizerConfig:
     """Let the GPU step some host-resident units alongside the CPU threads (states stream over PCIe through 3..."""
 
     use_precision_aware_optimizer: bool = False
-    """Megatron's precision-aware optimizer: lets the keys below set the optimizer's tensors to lower precision."""
+    """Megatron's precision-aware optimizer: lets the keys below set the optimizer's tensors to lower precision..."""
 
     main_params_dtype: Literal["fp32", "fp16"] = "fp32"
     """dtype of the main (master) parameters. fp32 only here: megatron's fp16 masters are refused."""
@@ -178,13 +178,13 @@ class OptimizerConfig:
     """dtype of the main gradients."""
 
     exp_avg_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """dtype of Adam's exp_avg on the CPU-stepped part (needs use_precision_aware_optimizer): bf16/fp16 are..."""
+    """dtype of Adam's exp_avg on both parts of the split (needs use_precision_aware_optimizer): bf16/fp16 are..."""
 
     exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """dtype of Adam's exp_avg_sq on the CPU-stepped part (needs use_precision_aware_optimizer), as exp_avg_dtype."""
+    """dtype of Adam's exp_avg_sq on both parts of the split (needs use_precision_aware_optimizer), as exp_avg_dtype."""
 
     store_param_remainders: bool = False
-    """Hold the CPU-stepped part's fp32 master as the bf16 weight plus a 16-bit remainder (megatron-core's..."""
+    """Hold the fp32 master as the bf16 weight plus a 16-bit remainder, on both parts of the split..."""
 
 
 @dataclass(frozen=True)

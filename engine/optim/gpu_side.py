@@ -4,6 +4,9 @@ fp32 parameters are their own masters (no copy, so `offload_fraction=0` on an fp
 plain torch optimizer); bf16/fp16 parameters get an fp32 master (Megatron's param_update_in_fp32)
 that the optimizer steps, after which the half weights are refreshed from it in one foreach copy.
 On CUDA the torch optimizer is the fused AdamW; on CPU the default one, so CPU tests can compare bit for bit.
+With narrow states (the precision-aware optimizer's exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
+`gpu_part` builds gpu_narrow.NarrowGpuPart instead: the same arithmetic on fp32 slices, states stored narrow.
+`gpu_side_bytes` states what either holds; the memory plan calls it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,46 @@ from __future__ import annotations
 import torch
 
 from engine.optim.adam_math import Hyper, apply_hypers
+from engine.optim.gpu_narrow import NarrowGpuPart, narrow_gpu_bytes, narrow_step_bytes
+
+_FP32_STATES = (torch.float32, torch.float32)
+
+
+def gpu_side_bytes(numel: int, *, kind: str, momentum: bool, half_weights: bool, main_grads: bool,
+                   moment_bytes: tuple[int, int] = (4, 4), remainders: bool = False) -> dict[str, int]:  # fmt: skip
+    """GPU bytes of the GPU-stepped part over `numel` parameters: master_weights and optimizer_states (held),
+    optimizer_step_staging (during the step only). half_weights: bf16/fp16 weights (else fp32, their own masters);
+    main_grads: the gradients arrive as fp32 sums; momentum: SGD with a momentum buffer; moment_bytes: the
+    (exp_avg, exp_avg_sq) element sizes; remainders: the bf16 weight + int16 remainder master."""
+    if kind == "adam" and (moment_bytes != (4, 4) or remainders):
+        return narrow_gpu_bytes(numel, half_weights=half_weights, moment_bytes=moment_bytes, remainders=remainders)
+    states = {"adam": 8, "sgd": 4 if momentum else 0}[kind]
+    # the fp32 copies of half gradients the torch optimizer steps on (fp32 sums are stepped on directly)
+    staging = 4 * numel if half_weights and not main_grads else 0
+    return {"master_weights": 4 * numel if half_weights else 0, "optimizer_states": states * numel,
+            "optimizer_step_staging": staging}  # fmt: skip
+
+
+FP32_STEP_BYTES = 32  # per parameter: fp32 master, m and v read and written, the gradient read, the weight written
+
+
+def gpu_step_bytes(*, kind: str, half_weights: bool, grad_bytes: int, moment_bytes: tuple[int, int] = (4, 4),
+                   remainders: bool = False) -> int:  # fmt: skip
+    """Device-memory bytes the GPU part's step moves per parameter (what bounds its time; the step-time model
+    prices it)."""
+    if kind == "adam" and (moment_bytes != (4, 4) or remainders):
+        return narrow_step_bytes(moment_bytes=moment_bytes, remainders=remainders, half_weights=half_weights,
+                                 grad_bytes=grad_bytes)  # fmt: skip
+    return FP32_STEP_BYTES
+
+
+def gpu_part(entries: list[tuple[str, torch.nn.Parameter, int]], *, kind: str, n_groups: int,
+             moment_dtypes: tuple[torch.dtype, torch.dtype] = _FP32_STATES,
+             remainders: bool = False) -> GpuPart | NarrowGpuPart:  # fmt: skip
+    """The GPU-stepped part: fp32 states as today (GpuPart), or narrow ones (Adam only: options.py checks)."""
+    if moment_dtypes == _FP32_STATES and not remainders:
+        return GpuPart(entries, kind=kind, n_groups=n_groups)
+    return NarrowGpuPart(entries, moment_dtypes=moment_dtypes, remainders=remainders)
 
 
 class GpuPart:
@@ -29,6 +72,16 @@ class GpuPart:
                 self.opt = torch.optim.AdamW(groups, lr=0.0, fused=True if on_cuda else None)
             else:
                 self.opt = torch.optim.SGD(groups, lr=0.0, momentum=0.0)
+
+    sets_weights = frozenset()  # load sets no weights itself: the caller sets them from the masters
+
+    def held_bytes(self) -> dict[str, int]:
+        """The tensors held between steps (after the first), by the memory plan's parts."""
+        masters = [m for n, m in self.master.items() if m is not self.params[n]]
+        states = [t for s in (self.opt.state.values() if self.opt is not None else ()) for k, t in s.items()
+                  if k != "step" and torch.is_tensor(t)]  # fmt: skip
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"master_weights": size(masters), "optimizer_states": size(states)}
 
     def step(self, grads: dict[str, torch.Tensor], hypers: list[Hyper], inv_scale: float, coef: float) -> None:
         """grads: name -> final gradient (the parameter's shape) for the parameters that have one."""

@@ -2,7 +2,8 @@
 
 Composition (each mechanism in its own module):
   partition.py   which parameters the CPU steps (the output end) and their layer units
-  gpu_side.py    the rest: fp32 masters and a fused torch optimizer on the GPU
+  gpu_side.py    the rest: fp32 masters and a fused torch optimizer on the GPU (gpu_narrow.py with narrow
+                 states: the precision-aware optimizer's moments and remainder master, on both sides)
   cpu_side.py    the CPU part's step scheduler (driver thread, speculation, commit), built from
                  host_state.py (host tensors: masters, states, spares, staging), cpu_arith.py (the CPU
                  AdamW pass / torch.optim) and cpu_transfer.py (gradient D2H, weight H2D, events);
@@ -41,7 +42,8 @@ import torch
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_side import CpuPart
 from engine.optim.delayed import DelayedUpdate
-from engine.optim.gpu_side import GpuPart
+from engine.optim.gpu_narrow import NarrowGpuPart
+from engine.optim.gpu_side import GpuPart, gpu_part
 from engine.optim.options import HybridOptions, betas, number_in
 from engine.optim.partition import forward_order, split_for_offload, unit_of
 from engine.optim.protocol import CpuOffload, decide
@@ -92,13 +94,12 @@ def _named_groups(params) -> list[dict]:
     return out
 
 
-def _say_dtype_changes(saved: dict, cpu_names: frozenset[str], o: HybridOptions) -> None:
-    """One line per moment whose saved dtype differs from the one it loads into (the GPU-stepped part holds
-    fp32): widening is exact, narrowing rounds to nearest."""
-    for key, cpu_dtype in (("exp_avg", o.exp_avg_dtype), ("exp_avg_sq", o.exp_avg_sq_dtype)):
-        pairs = {(st[key].dtype, cpu_dtype if n in cpu_names else torch.float32)
-                 for n, st in saved.items() if torch.is_tensor(st.get(key))}  # fmt: skip
-        for was, now in sorted((p for p in pairs if p[0] != p[1]), key=str):
+def _say_dtype_changes(saved: dict, o: HybridOptions) -> None:
+    """One line per moment whose saved dtype differs from the one it loads into (both parts hold the configured
+    dtypes): widening is exact, narrowing rounds to nearest."""
+    for key, dtype in (("exp_avg", o.exp_avg_dtype), ("exp_avg_sq", o.exp_avg_sq_dtype)):
+        saved_as = {st[key].dtype for st in saved.values() if torch.is_tensor(st.get(key))}
+        for was, now in sorted(((d, dtype) for d in saved_as if d != dtype), key=str):
             how = "widened (exact)" if now.itemsize > was.itemsize else "narrowed (rounded to nearest)"
             log.warning("optimizer state %s saved as %s is %s to %s on load", key, was, how, now)
 
@@ -144,7 +145,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                   moment_dtypes=(o.exp_avg_dtype, o.exp_avg_sq_dtype),
                                   remainders=o.store_param_remainders)  # fmt: skip
         self._split: tuple[list[str], frozenset[str]] | None = None  # forward order and CPU names, made once
-        self.gpu: GpuPart | None = None  # both sides are built on first use, after attach_model has
+        self.gpu: GpuPart | NarrowGpuPart | None = None  # both sides are built on first use, after attach_model has
         self.cpu: CpuPart | None = None  # given the model's order, so the split is made once
         self._grad_final = True
         self._main_grads: dict[str, torch.Tensor] = {}  # fp32 sums of half gradients over micro-batches
@@ -176,8 +177,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.gpu is not None:
             return
         named, gi, opts = self._named(), self._group_of, self._side_options
-        self.gpu = GpuPart([(n, p, gi[n]) for n, p in named if n not in self.cpu_names], kind=opts["kind"],
-                           n_groups=len(self.param_groups))  # fmt: skip
+        self.gpu = gpu_part([(n, p, gi[n]) for n, p in named if n not in self.cpu_names], kind=opts["kind"],
+                            n_groups=len(self.param_groups), moment_dtypes=opts["moment_dtypes"],
+                            remainders=opts["remainders"])  # fmt: skip
         if self.cpu_names:
             entries = [(n, p, gi[n], unit_of(n)) for n, p in named if n in self.cpu_names]
             hypers = lambda: [Hyper.of(g) for g in self.param_groups]  # noqa: E731 - read by the driver thread
@@ -388,9 +390,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.delayed is not None:
             masters = {n: saved[n]["master"] for n in self.cpu_names}
             keep = self.delayed.load(state_dict.get("delayed"), (int(st["step"]) for st in saved.values()), masters)
-        _say_dtype_changes(saved, self.cpu_names, self.options)
+        _say_dtype_changes(saved, self.options)
         if self.cpu is not None and self.cpu.host.remainders:
             keep |= self.cpu_names  # the remainder form sets these weights itself: the masters' high halves
+        keep |= self.gpu.sets_weights
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
             side.load(n, saved[n])

@@ -110,9 +110,9 @@ class HybridOptions:
     delayed_param_update_warmup: int = DEFAULT_WARMUP
     gpu_assist: bool = False
     speculation_buffer_mb: int = 2048
-    exp_avg_dtype: torch.dtype = torch.float32  # the CPU-stepped part's moments (precision-aware optimizer)
+    exp_avg_dtype: torch.dtype = torch.float32  # both parts' moments (precision-aware optimizer)
     exp_avg_sq_dtype: torch.dtype = torch.float32
-    store_param_remainders: bool = False  # the CPU-stepped fp32 master as bf16 weight + int16 remainder
+    store_param_remainders: bool = False  # both parts' fp32 master as bf16 weight + int16 remainder
 
     def __post_init__(self) -> None:
         choice("optimizer", self.optimizer, ("adam", "sgd"))
@@ -132,7 +132,7 @@ class HybridOptions:
             choice(name, dtype, STATE_DTYPES)
             if dtype != torch.float32 and (self.optimizer != "adam" or self.use_torch_optimizer_for_cpu_offload
                                            or self.gpu_assist):  # fmt: skip
-                raise ValueError(f"{name} (optimizer.{name})={dtype} is the engine's own CPU AdamW's: set "
+                raise ValueError(f"{name} (optimizer.{name})={dtype} is the engine's own AdamW's: set "
                                  "optimizer.optimizer='adam', use_torch_optimizer_for_cpu_offload=false and "
                                  f"cpu_offload_gpu_assist=false, or {name}='fp32'")  # fmt: skip
         if self.store_param_remainders:
@@ -142,7 +142,7 @@ class HybridOptions:
                                      ("delayed_param_update", self.delayed_param_update)) if on]  # fmt: skip
             if clash:
                 raise ValueError(f"store_param_remainders (optimizer.store_param_remainders)=True is the engine's "
-                                 f"own CPU AdamW's, stepping the model's weights in place; it does not combine with "
+                                 f"own AdamW's, stepping the model's weights in place; it does not combine with "
                                  f"{clash[0]}: set one of them back")  # fmt: skip
         if self.delayed_param_update and self.offload_fraction == 0:
             raise ValueError("delayed_param_update (optimizer.delayed_param_update) delays the CPU-stepped part's "

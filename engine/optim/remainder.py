@@ -38,3 +38,25 @@ def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = bits & _U16
     hi = ((bits >> 16) + (lo >> 15)) & _U16
     return _signed(hi, 16).to(torch.int16).view(torch.bfloat16), _signed(lo, 16).to(torch.int16)
+
+
+def join_into(out: torch.Tensor, weight: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """`join` written into the fp32 tensor `out` (same shape) in three int32 ops, allocating nothing (the GPU
+    side's staging): the weight's bits shifted up plus the sign-extended remainder is the high half less one
+    where the remainder is negative, over the remainder's low bits, i.e. join's bits."""
+    bits = out.view(torch.int32)
+    bits.copy_(weight.view(torch.int16))
+    bits.bitwise_left_shift_(16)
+    bits.add_(rem)
+    return out
+
+
+def split_from(master: torch.Tensor, weight_out: torch.Tensor, rem_out: torch.Tensor) -> None:
+    """`split` of the fp32 tensor `master` into bf16 `weight_out` and int16 `rem_out` (same shapes), allocating
+    nothing; `master` is consumed (left holding the rounded high half). Adding 0x8000 before the arithmetic
+    shift carries bit 15 into the high half: nearest, ties away from zero, as `split` rounds."""
+    bits = master.view(torch.int32)
+    rem_out.copy_(bits)  # int32 -> int16 keeps the low 16 bits
+    bits.add_(0x8000)
+    bits.bitwise_right_shift_(16)
+    weight_out.view(torch.int16).copy_(bits)

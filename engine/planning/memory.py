@@ -11,7 +11,8 @@ GPU phases (each the sum of what is alive at that moment; the plan is their maxi
              the GPU once its D2H copy has read it when overlap is on, and at the step otherwise), one layer's
              backward temporaries (plus one rebuilt layer under full recompute)
   step       every final gradient, plus the fp32 copies the GPU side's torch optimizer steps on when the
-             gradients are half (with fp32 accumulation buffers it steps on those directly)
+             gradients are half (with fp32 accumulation buffers it steps on those directly), or with narrow
+             states its bounded fp32 staging slices (engine.optim.gpu_side.gpu_side_bytes says which)
   margin     1 GiB (CUDA context, cuBLAS workspaces: outside torch's allocator) + 5% (the caching allocator)
 
 Host phases: construction (a given model's host bytes before it moves; the built-in GPT is built on the meta
@@ -32,6 +33,7 @@ from engine.offload.pool import host_buffer_bytes
 from engine.offload.session import double_buffer_bytes
 from engine.optim.delayed import shadow_gpu_bytes
 from engine.optim.gpu_assist import assist_gpu_bytes
+from engine.optim.gpu_side import gpu_side_bytes
 from engine.optim.host_plan import STATE_BYTES, cpu_side_host_bytes
 from engine.optim.partition import offload_count
 from engine.planning.activations import Saved
@@ -68,8 +70,8 @@ class Settings:
     use_torch: bool
     gpu_assist: bool
     speculation_bytes: int
-    moment_bytes: tuple[int, int]  # optimizer.exp_avg_dtype, exp_avg_sq_dtype on the CPU-stepped part
-    remainders: bool  # optimizer.store_param_remainders: the CPU-stepped master as bf16 weight + remainder
+    moment_bytes: tuple[int, int]  # optimizer.exp_avg_dtype, exp_avg_sq_dtype (both parts)
+    remainders: bool  # optimizer.store_param_remainders: the master as bf16 weight + remainder (both parts)
     delayed: bool  # optimizer.delayed_param_update: a GPU shadow of the CPU-stepped weights, no speculation
     distributed: bool
     layer_offload: bool
@@ -243,11 +245,13 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
 
     g_final = 4 if s.main_grads else s.weight_elem
     g_acc = 4 if s.main_grads else (s.weight_elem if s.micro_batches > 1 else 0)
-    states = {"adam": 8, "sgd": 4 if s.momentum else 0}[s.kind]
+    gpu_side = gpu_side_bytes(n_gpu_side, kind=s.kind, momentum=s.momentum, half_weights=s.half,
+                              main_grads=s.main_grads, moment_bytes=s.moment_bytes,
+                              remainders=s.remainders)  # fmt: skip
     persistent = {
         "weights": c.weight_bytes,
-        "master_weights": 4 * n_gpu_side if s.half else 0,
-        "optimizer_states": states * n_gpu_side,
+        "master_weights": gpu_side["master_weights"],
+        "optimizer_states": gpu_side["optimizer_states"],
         "gpu_assist_slots": assist_gpu_bytes(cpu.largest, g_final) if s.gpu_assist and cpu.units else 0,
         "ddp_buckets": c.parameters * g_final if s.world > 1 else 0,
         "delayed_update_shadow": shadow_gpu_bytes(n_cpu, s.weight_elem) if s.delayed else 0,
@@ -280,7 +284,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     if worst is not None:
         phases["backward"] = worst
     phases["step"] = {**persistent, "gradients": grads_after,
-                      "optimizer_step_staging": 4 * n_gpu_side if (s.half and not s.main_grads) else 0}  # fmt: skip
+                      "optimizer_step_staging": gpu_side["optimizer_step_staging"]}  # fmt: skip
     gpu_phase = max(phases, key=lambda p: sum(phases[p].values()))
     gpu_parts = {name: phases[gpu_phase].get(name, 0) for name in GPU_PARTS}
     if cuda:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 from engine.config import Config
+from engine.optim.gpu_side import gpu_step_bytes
 from engine.planning import rates
 from engine.planning.census import Census
 from engine.planning.memory import Plan, Settings
@@ -28,9 +29,12 @@ class Pricer:
         self.cfg, self.census, self.settings = cfg, census, settings
         self.costs = costs or rates.stated(cfg, cuda=cuda)
         self.tokens = tokens or cfg.train.micro_batch_size * cfg.model.seq_length
+        grad_bytes = 4 if settings.main_grads else settings.weight_elem
+        step_bytes = gpu_step_bytes(kind=settings.kind, half_weights=settings.half, grad_bytes=grad_bytes,
+                                    moment_bytes=settings.moment_bytes, remainders=settings.remainders)  # fmt: skip
         self.schedule = Schedule(cpu_offload=settings.cpu_offload, overlap=settings.overlap, delayed=settings.delayed,
-                                 grad_bytes=4 if settings.main_grads else settings.weight_elem,
-                                 weight_bytes=settings.weight_elem)  # fmt: skip
+                                 grad_bytes=grad_bytes, weight_bytes=settings.weight_elem,
+                                 gpu_step_bytes=step_bytes)  # fmt: skip
 
     @functools.cached_property
     def workload(self) -> Workload:

@@ -15,7 +15,7 @@ and `Costs` (rates of this machine, or the stated defaults below), per micro-bat
   backward    max((2F + R) / flops + h D / pcie_h2d,
                   D / pcie_h2d)                    R: the forward FLOPs of the r recomputed layers (full
                                                    recompute runs each one's forward again in its backward)
-  GPU step    n_gpu x GPU_STEP_BYTES / hbm         the GPU side's AdamW is bound by device memory
+  GPU step    n_gpu x gpu_step_bytes / hbm         the GPU side's AdamW is bound by device memory
   CPU step    n_cpu / cpu_params                   the host's AdamW over the CPU-stepped parameters; the part
                                                    the schedule cannot hide is added:
                 overlap off   all of it, plus the gradients' and weights' copies over PCIe
@@ -37,11 +37,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.optim.gpu_side import FP32_STEP_BYTES
+
 GB = 1e9
 
-# Bytes one parameter's GPU-side AdamW reads and writes: the fp32 master, m and v read and written (24), the
-# gradient read (2-4) and the half weight written (2).
-GPU_STEP_BYTES = 32
+# Bytes one parameter's GPU-side AdamW reads and writes with fp32 states: the fp32 master, m and v read and
+# written (24), the gradient read (2-4) and the half weight written (2); narrow states: Schedule.gpu_step_bytes.
+GPU_STEP_BYTES = FP32_STEP_BYTES
 
 
 RATES = {  # Costs' rate fields -> the key that gives each (the plan section of the config)
@@ -164,6 +166,7 @@ class Schedule:
     delayed: bool  # optimizer.delayed_param_update
     grad_bytes: int  # bytes of a gradient copied to the host
     weight_bytes: int  # bytes of a weight copied back
+    gpu_step_bytes: int = GPU_STEP_BYTES  # device bytes the GPU side's step moves per parameter (gpu_side.py)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def step_time(w: Workload, m: Mix, s: Schedule, c: Costs) -> StepTime:
     fwd_mb = max(fwd + h * d2h, d2h)
     bwd_mb = max(bwd + rec + h * h2d, h2d)
     n = w.micro_batches
-    gpu_step = m.gpu_parameters * GPU_STEP_BYTES / c.hbm_bytes_per_s
+    gpu_step = m.gpu_parameters * s.gpu_step_bytes / c.hbm_bytes_per_s
     cpu = m.cpu_parameters / c.cpu_params_per_s if s.cpu_offload else 0.0
     if not cpu:
         exposed = 0.0
