@@ -243,3 +243,11 @@ def test_the_step_price_counts_the_bytes_the_narrow_pass_moves():
     narrow = gpu_step_bytes(kind="adam", half_weights=True, grad_bytes=2, moment_bytes=(2, 2), remainders=True)
     assert narrow == 28 + 2 + 4 + 2 * (2 * 2 + 8) + 52  # fused AdamW, gradient, two moments, join + split
     assert times[1] / times[0] == pytest.approx(narrow / FP32_STEP_BYTES, rel=1e-12)
+
+
+def test_a_moment_dtype_not_built_here_is_refused_in_one_line():
+    from engine.optim.gpu_side import gpu_part
+
+    with pytest.raises(ValueError, match=r"^exp_avg_dtype \(optimizer.exp_avg_dtype\)=torch.uint8 is not built on the "
+                       r"GPU-stepped part .*: set optimizer.optimizer_offload_fraction=1"):  # fmt: skip
+        gpu_part(_params("cpu", BF16), kind="adam", n_groups=2, moment_dtypes=(torch.uint8, BF16))

@@ -28,6 +28,7 @@ from engine.optim.adam_math import Hyper
 
 STAGING_ELEMS = 1 << 24  # fp32 elements per staging buffer: 64 MiB each, ~100 slices for a 1.6 B GPU part
 _FP32 = torch.float32
+NARROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the moments' storage dtypes built here
 
 
 def narrow_gpu_bytes(

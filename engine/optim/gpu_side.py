@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.optim.adam_math import Hyper, apply_hypers
-from engine.optim.gpu_narrow import NarrowGpuPart, narrow_gpu_bytes, narrow_step_bytes
+from engine.optim.gpu_narrow import NARROW_DTYPES, NarrowGpuPart, narrow_gpu_bytes, narrow_step_bytes
 
 _FP32_STATES = (torch.float32, torch.float32)
 
@@ -53,6 +53,10 @@ def gpu_part(entries: list[tuple[str, torch.nn.Parameter, int]], *, kind: str, n
     """The GPU-stepped part: fp32 states as today (GpuPart), or narrow ones (Adam only: options.py checks)."""
     if moment_dtypes == _FP32_STATES and not remainders:
         return GpuPart(entries, kind=kind, n_groups=n_groups)
+    for key, dtype in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moment_dtypes, strict=True):
+        if entries and dtype not in NARROW_DTYPES:
+            raise ValueError(f"{key} (optimizer.{key})={dtype} is not built on the GPU-stepped part (fp32, bf16 or "
+                             "fp16 there): set optimizer.optimizer_offload_fraction=1 or a 16-bit dtype")  # fmt: skip
     return NarrowGpuPart(entries, moment_dtypes=moment_dtypes, remainders=remainders)
 
 
