@@ -8,7 +8,8 @@
 #   main   seq 4096: "auto" (fraction and offloaded layers), the 16-layer twin, "auto" with the delayed update
 #   grid   seq 4096, rows from GRID (default "auto 0.5:0 0.3:8 0.3:16 0.5:8 0.3:rc"; FRACTION:LAYERS offloads that
 #          many layers' activations, FRACTION:rc = full recompute, no activation offload; "auto" is the plan's
-#          choice measured in the same call): a second call with e.g. GRID="0.3:24 0.5:16 0.5:24 0.5:rc" covers
+#          choice measured in the same call, with the rates it measures; "auto-stated" with the stated rates):
+#          a second call with e.g. GRID="0.3:24 0.5:16 0.5:24 0.5:rc" covers
 #          the rest
 #   long   seq 16384, 2 micro-batches per step (the same 32,768 tokens per step): "auto" with recompute_num_layers
 #          "auto" too (without recompute no mix fits the host: 30 offloaded layers need 158.7 GiB), and its
@@ -44,14 +45,16 @@ case "$PART" in
     row dpu "$SEQ" $AUTO --delayed ;;
   grid) ROWS=""  # about 1.6 minutes a row
     for cell in ${GRID:-auto 0.5:0 0.3:8 0.3:16 0.5:8 0.3:rc}; do
-      f=${cell%%:*}; k=${cell##*:}; name="f${f}k$k"; [ "$cell" = auto ] && name=auto; ROWS="$ROWS $name"
+      f=${cell%%:*}; k=${cell##*:}; name="f${f}k$k"; [[ "$cell" == auto* ]] && name=$cell; ROWS="$ROWS $name"
       if [ "$cell" = auto ]; then row auto "$SEQ" $AUTO
+      elif [ "$cell" = auto-stated ]; then row "$name" "$SEQ" $AUTO --override plan.measure_rates=false
       elif [ "$k" = rc ]; then row "$name" "$SEQ" --optimizer-fraction "$f" --recompute
       else row "$name" "$SEQ" --optimizer-fraction "$f" --activation-layers "$k"; fi
     done ;;
-  long) ROWS="twin16k auto16k"
-    row twin16k "$LONG" --accum 2 --layers "$TWIN" $AUTO
-    row auto16k "$LONG" --accum 2 $AUTO --recompute --override model.recompute_num_layers=auto ;;
+  long) ROWS=${LONG_ROWS:-twin16k auto16k}  # LONG_ROWS=auto16k: the model alone
+    [[ " $ROWS " == *" twin16k "* ]] && row twin16k "$LONG" --accum 2 --layers "$TWIN" $AUTO
+    [[ " $ROWS " == *" auto16k "* ]] && row auto16k "$LONG" --accum 2 $AUTO --recompute \
+      --override model.recompute_num_layers=auto ;;
   *) echo "PART: main, grid or long"; exit 2 ;;
 esac
 python3 - "$OUT" "$PART" $ROWS <<'PY'
