@@ -251,3 +251,55 @@ def test_a_moment_dtype_not_built_here_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^exp_avg_dtype \(optimizer.exp_avg_dtype\)=torch.uint8 is not built on the "
                        r"GPU-stepped part .*: set optimizer.optimizer_offload_fraction=1"):  # fmt: skip
         gpu_part(_params("cpu", BF16), kind="adam", n_groups=2, moment_dtypes=(torch.uint8, BF16))
+
+
+def test_gpu_refusal_names_the_narrower_states_that_fit_without_a_cpu_part():
+    """All GPU-stepped (no host to spare): the GPU refusal names the narrower states that fit there, which now
+    narrow the GPU-stepped part, and the largest model at the current ones."""
+    from dataclasses import replace
+
+    from engine.config import load_config
+    from engine.planning import planner
+    from engine.planning.preflight import refusal
+    from engine.resources import config_file
+
+    gib = 1 << 30
+    over = ["optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0", "model.num_layers=24",
+            "model.cpu_offloading_num_layers=0"]  # fmt: skip
+    p = planner(load_config(config_file("13b-h200.json"), overrides=over), gpu_budget_bytes=139 * gib,
+                host_budget_bytes=10 * gib)  # fmt: skip
+    wide = p.evaluate(0.0, 0)
+    thin = p.evaluate(0.0, 0, replace(p.settings, remainders=True))
+    assert not wide.gpu.fits and thin.fits
+    said = refusal(p, wide)
+    assert said.startswith("GPU memory: plan needs ") and "\n" not in said, said
+    assert (f"; set optimizer.use_precision_aware_optimizer=true optimizer.store_param_remainders=true "
+            f"(GPU {thin.gpu.total_bytes / gib:.1f} GiB); at the current state dtypes, ") in said, said  # fmt: skip
+
+
+def test_delayed_update_leaves_the_narrow_gpu_part_exact():
+    """With the delayed update (the CPU-stepped part's weights land a step late) and bf16 moments on both parts,
+    given gradients: every master and moment equals the run without the delay, bit for bit; the GPU-stepped
+    weights too (only the CPU-stepped ones lag)."""
+    runs = []
+    for delayed in (False, True):
+        model = tiny_gpt(dtype=BF16)
+        opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(
+            **HP, offload_fraction=0.5, overlap_cpu_optimizer_d2h_h2d=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16,
+            delayed_param_update=delayed, delayed_param_update_warmup=1))  # fmt: skip
+        opt.attach_model(model)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            opt.zero_grad(set_to_none=True)
+            for p in model.parameters():
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(BF16)
+            assert opt.clip_and_step(1.0)[1]
+        assert isinstance(opt.gpu, NarrowGpuPart) and opt.last_step_delayed is delayed
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if n not in opt.cpu_names}
+        runs.append((opt.state_dict()["state"], weights))
+        opt.close()
+    (exact, w_exact), (late, w_late) = runs
+    for n, st in exact.items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(st[k]), _bits(late[n][k])), (n, k)
+    assert w_exact.keys() == w_late.keys() and all(torch.equal(w_exact[n], w_late[n]) for n in w_exact)

@@ -104,6 +104,9 @@ def refusal(p: Planner, plan: Plan) -> str:
         layers = p.fewest_gpu_layers(fraction) if m.cpu_offloading else None
         if layers is not None and p.evaluate(fraction, layers).host.fits:
             return f'{what}; raise model.cpu_offloading_num_layers to >= {layers} (or "auto")'
+        narrow = _narrower_states(p, plan, "GPU")  # the GPU-stepped part's states narrow too
+        if narrow is not None:
+            return f"{what}; {narrow}; at the current state dtypes, {p.largest_model_hint()}"
         return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
     what = f"host memory: plan needs {gib(plan.host.total_bytes)} GiB, {gib(plan.host.budget_bytes)} GiB available"
     if plan.host.phase == "construction":
@@ -132,13 +135,16 @@ def refusal(p: Planner, plan: Plan) -> str:
     return f"{what}; nothing fits at this shape: {p.largest_model_hint()}"
 
 
-def _narrower_states(p: Planner, plan: Plan) -> str | None:
-    """The first narrower CPU-side state form that fits at this fraction and layer count, as the keys to set and
-    the host bytes it plans: the remainder master alone (exact), bf16 moments, then both. None where the CPU
-    part's states cannot narrow (no CPU-stepped part, not the engine's CPU AdamW, the GPU assist) or none fits."""
+def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
+    """The first narrower state form (both parts of the split narrow) that fits at this fraction and layer count, as
+    the keys to set and the bytes it plans on `side` ("host" or "GPU"): the remainder master alone (exact), bf16
+    moments, then both. None where the states cannot narrow (not the engine's AdamW, the GPU assist; on the host: no
+    CPU-stepped part) or none fits."""
     o, t, s = p.cfg.optimizer, p.cfg.train, p.settings
-    if (plan.fraction == 0 or not o.optimizer_cpu_offload or o.implementation != "engine" or o.optimizer != "adam"
-            or o.use_torch_optimizer_for_cpu_offload or o.cpu_offload_gpu_assist):  # fmt: skip
+    no_cpu_part = plan.fraction == 0 or not o.optimizer_cpu_offload
+    torch_cpu = o.optimizer_cpu_offload and o.use_torch_optimizer_for_cpu_offload
+    if ((side == "host" and no_cpu_part) or o.implementation != "engine" or o.optimizer != "adam" or torch_cpu
+            or o.cpu_offload_gpu_assist):  # fmt: skip
         return None
     forms: list[tuple[list[str], dict]] = []
     rem = ["optimizer.store_param_remainders=true"], {"remainders": True}
@@ -154,7 +160,8 @@ def _narrower_states(p: Planner, plan: Plan) -> str | None:
         trial = p.evaluate(plan.fraction, plan.offloaded_layers, replace(s, **change))
         if trial.fits:
             switch = [] if o.use_precision_aware_optimizer else ["optimizer.use_precision_aware_optimizer=true"]
-            return f"set {' '.join(switch + keys)} (host {gib(trial.host.total_bytes)} GiB)"
+            on = trial.host if side == "host" else trial.gpu
+            return f"set {' '.join(switch + keys)} ({side} {gib(on.total_bytes)} GiB)"
     return None
 
 
