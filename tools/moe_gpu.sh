@@ -28,7 +28,7 @@ if [ -n "$MOE_TINY" ]; then
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   echo "cores $(nproc), $(free -g | awk '/Mem:/ {print $2}') GiB host memory"
-  ARGS="--hf-config qwen3-30b-a3b --seq 4096 --micro-batch 1 --global-batch 8 --iters 3 --warmup 2"
+  ARGS="--hf-config qwen3-30b-a3b --seq 4096 --micro-batch 1 --global-batch 8 --iters 3 --warmup 2 --lr 1e-4 --lr-warmup 5"
   LIMIT=450
 fi
 COMMAND="bin/bench scale $ARGS --layers ${LAYERS:-auto} --rows= --fractions 0,0.25,0.5,1 --json $OUT/moe.json"

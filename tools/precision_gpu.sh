@@ -7,7 +7,7 @@
 #     H200 + 125 GiB with bf16 CPU-side moments) for its 10 iterations: the losses printed last.
 # PART=rem instead: the 8 B rows only, with one more, bf16 states + the remainder master
 # (optimizer.store_param_remainders: 8 B per CPU-stepped parameter on the host instead of 12), no ceiling run
-# (about 5-6 minutes: a 450 s guard).
+# (about 5-6 minutes: a 450 s guard). PART=rem1: the twin and the bf16 states + remainder row only.
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
 #   tools/precision_gpu.sh [WHEEL_DIR=.whl]        PART=rem tools/precision_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (a check of the script at tiny shapes): PRECISION_TINY=1 tools/precision_gpu.sh
@@ -28,6 +28,13 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   SCALE=()
   CEILING=()
+fi
+if [ "${PART:-all}" = rem1 ]; then  # the twin and bf16 states + remainder only (about 3.5 minutes)
+  echo "== 8 B at f=0.3 exact: bf16 states + remainder master, and the 16-layer twin"
+  timeout 300 python3 bin/bench scale --rows fit --variant "bf16-states+rem:$NARROW,optimizer.store_param_remainders=true" \
+    --json "$OUT/scale_rem1.json" "${SCALE[@]}" 2>&1 | tee "$OUT/scale_rem1.log"
+  echo "command: PART=rem1 tools/precision_gpu.sh $WHL"
+  exit 0
 fi
 if [ "${PART:-all}" = rem ]; then
   echo "== 8 B at f=0.3 exact: fp32 states, bf16 states, bf16 states + remainder master, and the 16-layer twin"
