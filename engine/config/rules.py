@@ -304,7 +304,8 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
     narrow = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(o, k) != "fp32"]
     for k in narrow:
         if getattr(o, k) == "fp8":
-            yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16' or 'fp16'")
+            yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16', 'fp16' or "
+                          "'int8_blockwise' (block-wise 8-bit codes)")  # fmt: skip
         elif not o.use_precision_aware_optimizer:
             yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
                           f"set it, or set optimizer.{k}='fp32'")  # fmt: skip
@@ -315,6 +316,10 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
         elif o.cpu_offload_gpu_assist:
             yield Problem(f"optimizer.{k}", "does not combine with optimizer.cpu_offload_gpu_assist=true (the "
                           "assist streams fp32 states); set one of them back")  # fmt: skip
+        elif getattr(o, k) == "int8_blockwise" and not (o.optimizer_cpu_offload and o.optimizer_offload_fraction == 1):
+            yield Problem(f"optimizer.{k}", "is built for the CPU-stepped part only: set "
+                          "optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction=1 (every "
+                          f"parameter CPU-stepped), or optimizer.{k}='bf16' (both parts)")  # fmt: skip
     if o.store_param_remainders:
         yield from _remainders(c)
 

@@ -177,11 +177,11 @@ class OptimizerConfig:
     main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of the main gradients."""
 
-    exp_avg_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    exp_avg_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8_blockwise"] = "fp32"
     """dtype of Adam's exp_avg on both parts of the split (needs use_precision_aware_optimizer): bf16/fp16 are..."""
 
-    exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
-    """dtype of Adam's exp_avg_sq on both parts of the split (needs use_precision_aware_optimizer), as exp_avg_dtype."""
+    exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8_blockwise"] = "fp32"
+    """dtype of Adam's exp_avg_sq on both parts of the split (needs use_precision_aware_optimizer), as..."""
 
     store_param_remainders: bool = False
     """Hold the fp32 master as the bf16 weight plus a 16-bit remainder, on both parts of the split..."""

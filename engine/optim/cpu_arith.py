@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from engine.optim import fused_kernel, remainder
+from engine.optim import blockwise, fused_kernel, remainder
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
 from engine.optim.host_state import HostState
 
@@ -48,11 +48,22 @@ class TensorStep:
     scalars: tuple[float, ...]  # adam_math.adamw_scalars
     rem: torch.Tensor | None = None  # the remainder form (remainder.py): p, p_out are bf16 weights, these int16
     rem_out: torch.Tensor | None = None
+    ms: torch.Tensor | None = None  # per-block scales of a moment held as block-wise 8-bit codes (blockwise.py)
+    vs: torch.Tensor | None = None
+    ms_out: torch.Tensor | None = None
+    vs_out: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
         """Every output is its input (the remainder form's guess steps its weights in place, its states not)."""
-        return self.p_out is self.p and self.m_out is self.m and self.v_out is self.v and self.rem_out is self.rem
+        pairs = ((self.p_out, self.p), (self.m_out, self.m), (self.v_out, self.v), (self.rem_out, self.rem),
+                 (self.ms_out, self.ms), (self.vs_out, self.vs))  # fmt: skip
+        return all(o is i for o, i in pairs)
+
+    @property
+    def coded(self) -> bool:
+        """A moment is held as block-wise 8-bit codes (slices then start on a block boundary)."""
+        return self.ms is not None or self.vs is not None
 
 
 @dataclass(frozen=True)
@@ -105,38 +116,27 @@ class FusedAdamW:
     def _scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple[float, ...]:
         return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
-    def step_unit(self, s: UnitStep) -> None:
-        """With the remainder form, s.half holds the unit's bf16 weights as the GPU has them (read back by the
-        caller): stepped in place there with the host's remainders, they are the half weights to upload."""
+    def _tensor_step(self, n: str, g: torch.Tensor, out: tuple, half: dict | None, scalars: tuple) -> TensorStep:
+        """Parameter n's step from its held state into out = (master, m, v, m scales, v scales). With the
+        remainder form `half` holds the unit's bf16 weights as the GPU has them (read back by the caller), stepped
+        in place: they are the half weights to upload; the master in and out are remainders."""
+        master, m, v = self.host.state(n)
+        ms, vs = self.host.scales(n)
+        p_out, m_out, v_out, ms_out, vs_out = out
         if self.host.remainders:
-            self.step([
-                TensorStep(s.half[n], m, v, s.grads[n], s.half[n], m, v, None,
-                           self._scalars(n, s.hypers, s.inv_scale, s.coef), rem, rem)
-                for n in s.names for rem, m, v in [self.host.state(n)]
-            ])  # fmt: skip
-            return
-        self.step([
-            TensorStep(p, m, v, s.grads[n], p, m, v, s.half[n] if s.half else None,
-                       self._scalars(n, s.hypers, s.inv_scale, s.coef))
-            for n in s.names for p, m, v in [self.host.state(n)]
-        ])  # fmt: skip
+            return TensorStep(half[n], m, v, g, half[n], m_out, v_out, None, scalars, master, p_out,
+                              ms, vs, ms_out, vs_out)  # fmt: skip
+        return TensorStep(master, m, v, g, p_out, m_out, v_out, half[n] if half else None, scalars, None, None,
+                          ms, vs, ms_out, vs_out)  # fmt: skip
+
+    def step_unit(self, s: UnitStep) -> None:
+        self.step([self._tensor_step(n, s.grads[n], (*self.host.state(n), *self.host.scales(n)), s.half,
+                                     self._scalars(n, s.hypers, s.inv_scale, s.coef)) for n in s.names])  # fmt: skip
 
     def guess(self, unit, names, grads, out, half, hypers) -> None:
-        """Step `names` out of place into `out` (name -> (p, m, v)), as if unclipped and unscaled. With the
-        remainder form `half` holds the unit's bf16 weights as the GPU has them (read back by the caller), and is
-        stepped in place: the guess's half weights; out's p is the spare's remainders."""
-        if self.host.remainders:
-            self.step([
-                TensorStep(half[n], m, v, grads[n], half[n], out[n][1], out[n][2], None,
-                           self._scalars(n, hypers, 1.0, 1.0), rem, out[n][0])
-                for n in names for rem, m, v in [self.host.state(n)]
-            ])  # fmt: skip
-            return
-        self.step([
-            TensorStep(*self.host.state(n), grads[n], *out[n], half[n] if half else None,
-                       self._scalars(n, hypers, 1.0, 1.0))
-            for n in names
-        ])  # fmt: skip
+        """Step `names` out of place into `out` (name -> host_state.spare_views' tuple), as if unclipped and
+        unscaled."""
+        self.step([self._tensor_step(n, grads[n], out[n], half, self._scalars(n, hypers, 1.0, 1.0)) for n in names])
 
     def export(self, name: str) -> dict[str, torch.Tensor]:
         return {}  # its states are the host state's
@@ -152,7 +152,7 @@ class FusedAdamW:
         for s in steps:
             if s.m.dtype != torch.float32 or s.v.dtype != torch.float32 or s.rem is not None:
                 numel = s.p.numel()
-                chunk = max(_MIN_SLICE, -(-numel // self.threads))
+                chunk = -(-max(_MIN_SLICE, -(-numel // self.threads)) // blockwise.BLOCK) * blockwise.BLOCK
                 for a in range(0, numel, chunk):
                     b = min(numel, a + chunk)
                     if self.lib is None:
@@ -181,13 +181,21 @@ class FusedAdamW:
 
 
 def narrow_slice(s: TensorStep, a: int, b: int) -> None:
-    """AdamW on [a, b) with exp_avg/exp_avg_sq stored narrow (bf16 or fp16) and/or the master in the remainder
-    form, in torch ops (where the compiled pass did not build; they release the GIL: one slice per worker):
-    moments read and widened to fp32, the fp32 update of adamw_torch_, written back rounded to nearest even
-    (torch's conversion); the master as fp32 or joined and split again (remainder.py)."""
+    """AdamW on [a, b) with exp_avg/exp_avg_sq stored narrow (bf16, fp16 or block-wise 8-bit codes) and/or the
+    master in the remainder form, in torch ops (where the compiled pass did not build; they release the GIL: one
+    slice per worker): moments read and widened to fp32 (codes dequantised), the fp32 update of adamw_torch_,
+    written back rounded to nearest even (torch's conversion) or requantised per block (a on a block boundary of
+    the parameter); the master as fp32 or joined and split again (remainder.py)."""
     g = s.g[a:b]
-    # an fp32 moment's .float() is the moment itself: copied when the step must leave its inputs alone
-    m, v = (t[a:b].to(torch.float32, copy=not s.in_place) for t in (s.m, s.v))
+    blocks = blockwise.block_slice(a, b)
+
+    def widened(t: torch.Tensor, scale: torch.Tensor | None, signed: bool) -> torch.Tensor:
+        if scale is not None:  # the block-wise 8-bit form: its codes' values
+            return blockwise.dequantise(t[a:b], scale[blocks], signed)
+        # an fp32 moment's .float() is the moment itself: copied when the step must leave its inputs alone
+        return t[a:b].to(torch.float32, copy=not s.in_place)
+
+    m, v = widened(s.m, s.ms, True), widened(s.v, s.vs, False)
     if s.rem is not None:
         p = remainder.join(s.p[a:b], s.rem[a:b])
         adamw_torch_(p, m, v, g, None, s.scalars)
@@ -201,8 +209,13 @@ def narrow_slice(s: TensorStep, a: int, b: int) -> None:
         adamw_torch_(p_out, m, v, g, None, s.scalars)
         if s.half_out is not None:
             s.half_out[a:b].copy_(p_out)
-    s.m_out[a:b].copy_(m)
-    s.v_out[a:b].copy_(v)
+    for out, scale, x, signed in ((s.m_out, s.ms_out, m, True), (s.v_out, s.vs_out, v, False)):
+        if scale is not None:
+            codes, absmax = blockwise.quantise(x, signed)
+            out[a:b].copy_(codes)
+            scale[blocks].copy_(absmax)
+        else:
+            out[a:b].copy_(x)
 
 
 RATE_HYPER = Hyper(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, momentum=0.0)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from engine.optim import blockwise
+
 try:
     import fcntl
 except ImportError:  # not POSIX: builders still never see half a library (atomic rename), only duplicate work
@@ -115,6 +117,9 @@ def bind(path: Path) -> ctypes.CDLL:
     f = lib.fused_adamw_narrow
     f.restype = ctypes.c_int
     f.argtypes = NARROW_ARGTYPES
+    f = lib.fused_adamw_blockwise
+    f.restype = ctypes.c_int
+    f.argtypes = BLOCKWISE_ARGTYPES
     return lib
 
 
@@ -123,7 +128,10 @@ ARGTYPES += [ctypes.c_float] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [cty
 ARGTYPES += [ctypes.c_int]
 _VP, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 NARROW_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _I, _VP, _I, _F, _F] + [_VP] * 5 + [_I] + [_F] * 7
+BLOCKWISE_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _VP, _I, _VP, _VP, _I, _F, _F] + [_VP] * 7
+BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 4
 P_F32, P_REM = 0, 1  # the master's form in fused_adamw_narrow: fp32, or bf16 weight + int16 remainder
+KIND_Q8 = 4  # a moment held as block-wise 8-bit codes (blockwise.py), in fused_adamw_blockwise
 
 
 def load() -> ctypes.CDLL | None:
@@ -216,6 +224,9 @@ def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
     ):
         raise ValueError("the narrow pass writes each state in the form it reads it: outputs' dtypes must match")
     half = s.half_out
+    if s.coded:
+        _blockwise_slice(lib, start, stop, s)
+        return
     rc = lib.fused_adamw_narrow(
         stop - start, _ptr(s.p, start), _ptr(s.rem, start), P_REM if rem else P_F32, _ptr(s.m, start),
         KIND[s.m.dtype], _ptr(s.v, start), KIND[s.v.dtype], _ptr(s.g, start), KIND[s.g.dtype], inv_scale, coef,
@@ -224,3 +235,22 @@ def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"fused_adamw_narrow rejected dtypes m={s.m.dtype} v={s.v.dtype} grad={s.g.dtype}")
+
+
+def _blockwise_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
+    """narrow_slice with a moment in the block-wise 8-bit form: start on a block boundary of the parameter."""
+    if start % blockwise.BLOCK:
+        raise ValueError(f"a block-wise 8-bit slice starts on a block boundary, not at element {start}")
+    inv_scale, coef, decay, w1, beta2, omb2, bc2s, eps, nss = s.scalars
+    half, b = s.half_out, start // blockwise.BLOCK
+    kinds = [KIND_Q8 if scale is not None else KIND[t.dtype] for t, scale in ((s.m, s.ms), (s.v, s.vs))]
+    rc = lib.fused_adamw_blockwise(
+        stop - start, _ptr(s.p, start), _ptr(s.rem, start), P_F32 if s.rem is None else P_REM,
+        _ptr(s.m, start), kinds[0], _ptr(s.ms, b), _ptr(s.v, start), kinds[1], _ptr(s.vs, b),
+        _ptr(s.g, start), KIND[s.g.dtype], inv_scale, coef, _ptr(s.p_out, start), _ptr(s.rem_out, start),
+        _ptr(s.m_out, start), _ptr(s.ms_out, b), _ptr(s.v_out, start), _ptr(s.vs_out, b), _ptr(half, start),
+        KIND_NONE if half is None else KIND[half.dtype], decay, w1, beta2, omb2, bc2s, eps, nss,
+        *(t.data_ptr() for t in blockwise.tables()),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"fused_adamw_blockwise rejected dtypes m={s.m.dtype} v={s.v.dtype} grad={s.g.dtype}")

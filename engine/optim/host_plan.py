@@ -4,6 +4,7 @@ The memory plan calls `cpu_side_host_bytes` for the host's optimizer parts and `
 walks the tensors the CPU part really holds; a test holds the two equal. What grows with the model:
 
   master, exp_avg, exp_avg_sq   12 B per CPU-stepped parameter (fp32), 8 B with bf16/fp16 moments,
+                                about 6 B with block-wise 8-bit ones (1 B each + 4 B per block of 256),
                                 8 B for SGD (master + momentum); the master 2 B in the remainder form
                                 (store_param_remainders: remainder.py, the bf16 half is the model's weight)
   grad_staging                  one gradient per CPU-stepped parameter in the dtype it is shipped in:
@@ -23,34 +24,40 @@ What is bounded (by the largest layer unit or by `optimizer.speculation_buffer_m
 
 from __future__ import annotations
 
+from engine.optim.blockwise import NAME as BLOCKWISE
+from engine.optim.blockwise import SCALE_BYTES
 from engine.optim.remainder import REMAINDER_BYTES
 
 WEIGHT_RING = 2  # half-weight upload buffers: one being filled by the CPU step while the other is copied
 _FP32 = 4
-STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # optimizer.exp_avg_dtype / exp_avg_sq_dtype -> bytes
+# optimizer.exp_avg_dtype / exp_avg_sq_dtype -> bytes per element (the block-wise form's scales come on top)
+STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, BLOCKWISE: 1}
 
 
-def speculation_units(unit_numels: list[int], spare_bytes_per_element: int, budget_bytes: int) -> list[int]:
+def speculation_units(unit_numels: list[int], spare_bytes_per_element: int, budget_bytes: int,
+                      unit_extra_bytes: list[int] | None = None) -> list[int]:  # fmt: skip
     """Indices into unit_numels of the units given a spare, in backward order (last unit first).
 
-    A unit's spare holds spare_bytes_per_element bytes per element; units are taken while the sum fits
-    budget_bytes, skipping any that would not fit (a smaller one later may).
+    A unit's spare holds spare_bytes_per_element bytes per element, plus unit_extra_bytes[i] (a block-wise 8-bit
+    moment's scales); units are taken while the sum fits budget_bytes, skipping any that would not fit (a smaller
+    one later may).
     """
     chosen, used = [], 0
     for i in reversed(range(len(unit_numels))):
-        b = unit_numels[i] * spare_bytes_per_element
+        b = unit_numels[i] * spare_bytes_per_element + (unit_extra_bytes[i] if unit_extra_bytes else 0)
         if b and used + b <= budget_bytes:
             chosen.append(i)
             used += b
     return chosen
 
 
-def _spare_bytes(unit_numels: list[int], repeats: list[int], per_elem: int, budget_bytes: int) -> int:
+def _spare_bytes(unit_numels: list[int], repeats: list[int], per_elem: int, budget_bytes: int,
+                 extra: list[int]) -> int:  # fmt: skip
     """The bytes of the spares `speculation_units` gives, for units given as (size, repeats) runs: a run of one
     size takes as many as still fit, which is what unit by unit would take."""
     used = 0
-    for u, r in zip(reversed(unit_numels), reversed(repeats), strict=True):
-        b = u * per_elem
+    for u, r, e in zip(reversed(unit_numels), reversed(repeats), reversed(extra), strict=True):
+        b = u * per_elem + e
         if b:
             used += b * min(r, (budget_bytes - used) // b)
     return used
@@ -74,6 +81,8 @@ def cpu_side_host_bytes(
     exp_avg_sq_bytes: int = _FP32,
     remainders: bool = False,
     repeats: list[int] | None = None,
+    coded: tuple[bool, bool] = (False, False),
+    unit_blocks: list[int] | None = None,
 ) -> dict[str, int]:
     """Bytes of host memory the CPU-stepped part holds in steady state (after its first step), by part.
 
@@ -84,7 +93,9 @@ def cpu_side_host_bytes(
     sizes (optimizer.exp_avg_dtype, exp_avg_sq_dtype: 4 for fp32, 2 for bf16/fp16). remainders: the master
     held as int16 remainders of bf16 weights (optimizer.store_param_remainders).
     repeats: unit_numels[i] stands for repeats[i] consecutive units of that size (a deep model's identical
-    layers, counted once).
+    layers, counted once). coded: (exp_avg, exp_avg_sq) held in the block-wise 8-bit form ("int8_blockwise":
+    exp_avg_bytes 1 per element, plus blockwise.SCALE_BYTES per block); unit_blocks[i]: the quantisation blocks
+    of one unit of unit_numels[i] (blockwise.blocks over its parameters), needed when a moment is coded.
     For SGD "momentum_buffer" is torch's, which exists only
     with a momentum above 0 (the plan counts it either way).
     """
@@ -98,9 +109,13 @@ def cpu_side_host_bytes(
     n = sum(u * r for u, r in zip(unit_numels, repeats, strict=True))
     largest = max((u for u, r in zip(unit_numels, repeats, strict=True) if r), default=0)
     parts = {"master": (REMAINDER_BYTES if remainders else _FP32) * n}
+    if any(coded) and unit_blocks is None:
+        raise ValueError("a block-wise 8-bit moment needs unit_blocks (its scales are per parameter block)")
+    unit_scales = [SCALE_BYTES * b for b in unit_blocks] if any(coded) else [0] * len(unit_numels)
+    scales = sum(b * r for b, r in zip(unit_scales, repeats, strict=True))
     if kind == "adam":
-        parts["exp_avg"] = exp_avg_bytes * n
-        parts["exp_avg_sq"] = exp_avg_sq_bytes * n
+        parts["exp_avg"] = exp_avg_bytes * n + (scales if coded[0] else 0)
+        parts["exp_avg_sq"] = exp_avg_sq_bytes * n + (scales if coded[1] else 0)
     else:
         parts["momentum_buffer"] = _FP32 * n
     parts["grad_staging"] = grad_bytes * n
@@ -109,6 +124,7 @@ def cpu_side_host_bytes(
     spec = 0
     if speculates(kind, use_torch, speculate, speculation_buffer_bytes):
         per_elem = (REMAINDER_BYTES if remainders else _FP32) + exp_avg_bytes + exp_avg_sq_bytes + half_bytes
-        spec = _spare_bytes(unit_numels, repeats, per_elem, speculation_buffer_bytes)
+        extra = [b * sum(coded) for b in unit_scales]
+        spec = _spare_bytes(unit_numels, repeats, per_elem, speculation_buffer_bytes, extra)
     parts["speculation"] = spec
     return parts

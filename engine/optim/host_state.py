@@ -2,7 +2,9 @@
 
 Per layer unit (the parameters whose update travels back together, in forward order):
   a `Bank`          the unit's fp32 master (or the int16 remainders of its bf16 weights: remainder.py), exp_avg
-                    and exp_avg_sq as flat tensors of its elements, views by name.
+                    and exp_avg_sq as flat tensors of its elements, views by name; a moment in the block-wise
+                    8-bit form (blockwise.py) also has its per-block scales, each parameter's blocks from its
+                    first element.
                     Home banks are slices of one flat buffer per role (few, exact pinned allocations).
   spares            banks of the same sizes held apart for the speculative step (`SparePool`): a unit is
                     stepped out of place into a free spare of its size; commit swaps the unit's bank with
@@ -24,21 +26,24 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.optim import remainder
+from engine.optim import blockwise, remainder
 from engine.optim.host_buffers import FlatViews, flat_buffer
 from engine.optim.host_plan import WEIGHT_RING, speculation_units
 
 
 @dataclass
 class Bank:
-    """One unit's fp32 state: flat tensors of the unit's elements (m and v absent when torch.optim owns them)."""
+    """One unit's state: flat tensors of the unit's elements (m and v absent when torch.optim owns them), and the
+    per-block scales of a moment held as block-wise 8-bit codes (ms, vs; else None)."""
 
     p: torch.Tensor
     m: torch.Tensor | None
     v: torch.Tensor | None
+    ms: torch.Tensor | None = None
+    vs: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.p, self.m, self.v) if t is not None]
+        return [t for t in (self.p, self.m, self.v, self.ms, self.vs) if t is not None]
 
 
 @dataclass
@@ -138,7 +143,8 @@ class HostState:
         """moments: hold exp_avg and exp_avg_sq (the engine's AdamW; torch.optim keeps its own).
         half: the model's half dtype, or None for fp32 weights. spare_budget_bytes: host memory for the
         speculative step's spares (0: none). grad_scratch: one unit's fp32 gradient for torch.optim.
-        moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes (precision.py: fp32, bf16 or fp16).
+        moment_dtypes: (exp_avg, exp_avg_sq) storage dtypes: fp32, bf16, fp16, or blockwise.CODES (the block-wise
+        8-bit form, its scales held beside).
         remainders: the master is held as int16 remainders of the bf16 weights (remainder.py), which the caller
         reads back from the model into the weight ring (a spare's half weights, for an out-of-place step)."""
         if remainders and half != torch.bfloat16:
@@ -162,18 +168,32 @@ class HostState:
         self.moment_dtypes = moment_dtypes
         self.m = FlatViews(flat_layout, moment_dtypes[0], pin_moments) if moments else None
         self.v = FlatViews(flat_layout, moment_dtypes[1], pin_moments) if moments else None
+        # a block-wise 8-bit moment's scales: each parameter's blocks, parameters in the same order
+        block_layout, self._block_offset, self.unit_blocks, o = {}, {}, {}, 0
+        for u in units:
+            first = o
+            for n in layout.units[u]:
+                k = blockwise.blocks(layout.shape[n].numel())
+                block_layout[n], self._block_offset[n] = (o, torch.Size([k])), o - first
+                o += k
+            self.unit_blocks[u] = o - first
+        self.coded = tuple(moments and d == blockwise.CODES for d in moment_dtypes)  # (exp_avg, exp_avg_sq)
+        self.ms, self.vs = (FlatViews(block_layout, torch.float32, pin_moments) if c else None for c in self.coded)
         home = [self.master.flat, *((self.m.flat, self.v.flat) if moments else (None, None))]
+        scales = [t.flat if t is not None else None for t in (self.ms, self.vs)]
         self.bank: dict[str, Bank] = {}
         self._views: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
-        off = 0
+        self._scale_views: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+        off = boff = 0
         for u in units:
-            n = layout.numel[u]
-            self.bank[u] = Bank(*(t[off : off + n] if t is not None else None for t in home))
+            n, k = layout.numel[u], self.unit_blocks[u]
+            self.bank[u] = Bank(*(t[off : off + n] if t is not None else None for t in home),
+                                *(t[boff : boff + k] if t is not None else None for t in scales))  # fmt: skip
             self._refresh(u)
-            off += n
-        if moments:
-            home[1].zero_()
-            home[2].zero_()
+            off, boff = off + n, boff + k
+        for t in home[1:] + scales:  # zero moments (zero scales: every code reads as zero)
+            if t is not None:
+                t.zero_()
         self.steps: dict[str, int] = dict.fromkeys(layout.unit_of, 0)
         self.grads: dict[torch.dtype, FlatViews] = {}  # shipped dtype -> every gradient, allocated on first use
         largest = max(layout.numel.values(), default=0)
@@ -195,17 +215,20 @@ class HostState:
         numels = [self.layout.numel[u] for u in units]
         master = torch.int16 if self.remainders else torch.float32
         per_elem = master.itemsize + sum(d.itemsize for d in self.moment_dtypes) + half_bytes
-        sizes = [numels[i] for i in speculation_units(numels, per_elem, budget)]
-        total = sum(sizes)
+        scale_bytes = [blockwise.SCALE_BYTES * sum(self.coded) * self.unit_blocks[u] for u in units]
+        chosen = [units[i] for i in speculation_units(numels, per_elem, budget, scale_bytes)]
+        total, total_blocks = sum(self.layout.numel[u] for u in chosen), sum(self.unit_blocks[u] for u in chosen)
         p = flat_buffer(total, master, pin_master)
         m, v = (flat_buffer(total, d, pin_moments) for d in self.moment_dtypes)
+        ms, vs = (flat_buffer(total_blocks, torch.float32, pin_moments) if c else None for c in self.coded)
         h = flat_buffer(total, self.half, pin_half) if self.half is not None else None
-        spares, off = [], 0
-        for n in sizes:
-            sl = slice(off, off + n)
-            spares.append(Spare(Bank(p[sl], m[sl], v[sl]), h[sl] if h is not None else None))
-            off += n
-        return spares, [t for t in (p, m, v, h) if t is not None]
+        spares, off, boff = [], 0, 0
+        for u in chosen:
+            sl, bl = slice(off, off + self.layout.numel[u]), slice(boff, boff + self.unit_blocks[u])
+            bank = Bank(p[sl], m[sl], v[sl], *(t[bl] if t is not None else None for t in (ms, vs)))
+            spares.append(Spare(bank, h[sl] if h is not None else None))
+            off, boff = sl.stop, bl.stop
+        return spares, [t for t in (p, m, v, ms, vs, h) if t is not None]
 
     # ---- views ----
     def _refresh(self, unit: str) -> None:
@@ -214,15 +237,32 @@ class HostState:
         mv = lay.views(b.m, unit) if b.m is not None else dict.fromkeys(pv)
         vv = lay.views(b.v, unit) if b.v is not None else dict.fromkeys(pv)
         self._views[unit] = {n: (pv[n], mv[n], vv[n]) for n in lay.units[unit]}
+        self._scale_views[unit] = self._block_views(b, unit)
+
+    def _block_views(self, b: Bank, unit: str) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        def views(t):
+            if t is None:
+                return dict.fromkeys(self.layout.units[unit])
+            return {n: t[self._block_offset[n] : self._block_offset[n] + blockwise.blocks(self.layout.shape[n].numel())]
+                    for n in self.layout.units[unit]}  # fmt: skip
+
+        ms, vs = views(b.ms), views(b.vs)
+        return {n: (ms[n], vs[n]) for n in self.layout.units[unit]}
 
     def state(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The current (master, exp_avg, exp_avg_sq) 1-D views of one parameter."""
         return self._views[self.layout.unit_of[name]][name]
 
-    def spare_views(self, spare: Spare, unit: str) -> dict[str, tuple[torch.Tensor, ...]]:
-        lay = self.layout
-        p, m, v = (lay.views(t, unit) for t in spare.bank.tensors())
-        return {n: (p[n], m[n], v[n]) for n in lay.units[unit]}
+    def scales(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The current per-block scales of one parameter's (exp_avg, exp_avg_sq): None for a moment not coded."""
+        return self._scale_views[self.layout.unit_of[name]][name]
+
+    def spare_views(self, spare: Spare, unit: str) -> dict[str, tuple[torch.Tensor | None, ...]]:
+        """name -> the spare's (master, exp_avg, exp_avg_sq, exp_avg scales, exp_avg_sq scales) views."""
+        lay, b = self.layout, spare.bank
+        p, m, v = (lay.views(t, unit) for t in (b.p, b.m, b.v))
+        scales = self._block_views(b, unit)
+        return {n: (p[n], m[n], v[n], *scales[n]) for n in lay.units[unit]}
 
     def half_views(self, flat: torch.Tensor, unit: str) -> dict[str, torch.Tensor]:
         return self.layout.views(flat, unit)
@@ -245,6 +285,9 @@ class HostState:
         if m is not None:
             st["exp_avg"] = m.view(shape).clone()
             st["exp_avg_sq"] = v.view(shape).clone()
+            for key, scale in zip(blockwise.MOMENTS, self.scales(name), strict=True):
+                if scale is not None:  # saved in its form: the codes (above) and their blocks' absmax
+                    st[blockwise.absmax_key(key)] = scale.clone()
         return st
 
     def load(self, name: str, st: dict) -> torch.Tensor | None:
@@ -258,8 +301,8 @@ class HostState:
         else:
             p.copy_(st["master"].reshape(-1))
         if m is not None:  # a state saved without moments (SGD's) starts them at zero
-            m.copy_(st.get("exp_avg", torch.zeros(1)).reshape(-1).expand_as(m))
-            v.copy_(st.get("exp_avg_sq", torch.zeros(1)).reshape(-1).expand_as(v))
+            for key, t, scale in zip(blockwise.MOMENTS, (m, v), self.scales(name), strict=True):
+                blockwise.load_moment(st, key, t, scale)
         return weight
 
     # ---- staging ----
@@ -279,6 +322,6 @@ class HostState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every host tensor held here (flat buffers, not views)."""
-        out = [v.flat for v in (self.master, self.m, self.v) if v is not None]
+        out = [v.flat for v in (self.master, self.m, self.v, self.ms, self.vs) if v is not None]
         out += [g.flat for g in self.grads.values()] + [s.half for s in self.ring] + [self.scratch]
         return out + self.spare_flat

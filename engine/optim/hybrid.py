@@ -39,6 +39,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.optim import blockwise
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_side import CpuPart
 from engine.optim.delayed import DelayedUpdate
@@ -96,11 +97,15 @@ def _named_groups(params) -> list[dict]:
 
 def _say_dtype_changes(saved: dict, o: HybridOptions) -> None:
     """One line per moment whose saved dtype differs from the one it loads into (both parts hold the configured
-    dtypes): widening is exact, narrowing rounds to nearest."""
+    dtypes): widening is exact, narrowing rounds to nearest; the block-wise 8-bit form is dequantised or quantised."""
     for key, dtype in (("exp_avg", o.exp_avg_dtype), ("exp_avg_sq", o.exp_avg_sq_dtype)):
         saved_as = {st[key].dtype for st in saved.values() if torch.is_tensor(st.get(key))}
         for was, now in sorted(((d, dtype) for d in saved_as if d != dtype), key=str):
-            how = "widened (exact)" if now.itemsize > was.itemsize else "narrowed (rounded to nearest)"
+            if blockwise.CODES in (was, now):  # the block-wise 8-bit form, saved as its codes and block maxima
+                how = "dequantised" if was == blockwise.CODES else "quantised to the nearest code"
+                was, now = (blockwise.NAME if d == blockwise.CODES else d for d in (was, now))
+            else:
+                how = "widened (exact)" if now.itemsize > was.itemsize else "narrowed (rounded to nearest)"
             log.warning("optimizer state %s saved as %s is %s to %s on load", key, was, how, now)
 
 
@@ -394,9 +399,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.cpu is not None and self.cpu.host.remainders:
             keep |= self.cpu_names  # the remainder form sets these weights itself: the masters' high halves
         keep |= self.gpu.sets_weights
+        coded = self.cpu is not None and any(self.cpu.host.coded)
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
-            side.load(n, saved[n])
+            # the host state reads block-wise 8-bit codes itself; any other part gets their values
+            side.load(n, saved[n] if side is self.cpu and coded else blockwise.widened(saved[n]))
             if n not in keep:  # kept: the model's loaded weights are the ones the next forward reads
                 p = self.params_by_name[n]
                 p.copy_(saved[n]["master"].to(device=p.device, dtype=p.dtype).reshape(p.shape))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.optim import blockwise
 from engine.optim.delayed import DEFAULT_WARMUP
 
 # constructor argument -> config key a user of the engine would set
@@ -80,8 +81,10 @@ def whole_number(name: str, value: object) -> int:
     return value
 
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the config's names
+# the moments' storage: torch dtypes, or blockwise.CODES (torch.uint8) for the block-wise 8-bit form
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, blockwise.CODES)
+STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               blockwise.NAME: blockwise.CODES}  # the config's names  # fmt: skip
 _FLAGS = ("overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "use_torch_optimizer_for_cpu_offload",
           "pin_cpu_threads", "accumulate_grads_in_fp32", "delayed_param_update", "gpu_assist",
           "store_param_remainders")  # fmt: skip
@@ -110,7 +113,8 @@ class HybridOptions:
     delayed_param_update_warmup: int = DEFAULT_WARMUP
     gpu_assist: bool = False
     speculation_buffer_mb: int = 2048
-    exp_avg_dtype: torch.dtype = torch.float32  # both parts' moments (precision-aware optimizer)
+    exp_avg_dtype: torch.dtype = torch.float32  # both parts' moments (precision-aware optimizer); STATE_DTYPES:
+    # torch.uint8 the block-wise 8-bit form (blockwise.py), the CPU-stepped part's only
     exp_avg_sq_dtype: torch.dtype = torch.float32
     store_param_remainders: bool = False  # both parts' fp32 master as bf16 weight + int16 remainder
 

@@ -31,6 +31,7 @@ from engine.config import Config
 from engine.offload.api import DEFAULT_MIN_BYTES, reload_lookahead
 from engine.offload.pool import host_buffer_bytes
 from engine.offload.session import double_buffer_bytes
+from engine.optim.blockwise import NAME as BLOCKWISE
 from engine.optim.delayed import shadow_gpu_bytes
 from engine.optim.gpu_assist import assist_gpu_bytes
 from engine.optim.gpu_side import gpu_side_bytes
@@ -71,6 +72,7 @@ class Settings:
     gpu_assist: bool
     speculation_bytes: int
     moment_bytes: tuple[int, int]  # optimizer.exp_avg_dtype, exp_avg_sq_dtype (both parts)
+    moment_coded: tuple[bool, bool]  # those held as block-wise 8-bit codes ("int8_blockwise": scales on top)
     remainders: bool  # optimizer.store_param_remainders: the master as bf16 weight + remainder (both parts)
     delayed: bool  # optimizer.delayed_param_update: a GPU shadow of the CPU-stepped weights, no speculation
     distributed: bool
@@ -104,6 +106,7 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         gpu_assist=o.cpu_offload_gpu_assist,
         speculation_bytes=o.speculation_buffer_mb * MIB,
         moment_bytes=(STATE_BYTES[o.exp_avg_dtype], STATE_BYTES[o.exp_avg_sq_dtype]),
+        moment_coded=(o.exp_avg_dtype == BLOCKWISE, o.exp_avg_sq_dtype == BLOCKWISE),
         remainders=o.store_param_remainders,
         delayed=o.optimizer_cpu_offload and o.delayed_param_update,
         distributed=o.use_distributed_optimizer and world > 1,
@@ -387,7 +390,8 @@ def _host_plan(c: Census, s: Settings, cpu: Suffix, g_final: int, pool: int, cud
                                         speculate=s.overlap and not s.delayed,
                                         speculation_buffer_bytes=s.speculation_bytes,
                                         exp_avg_bytes=s.moment_bytes[0], exp_avg_sq_bytes=s.moment_bytes[1],
-                                        remainders=s.remainders, repeats=[x for _, x in cpu.units])  # fmt: skip
+                                        remainders=s.remainders, repeats=[x for _, x in cpu.units],
+                                        coded=s.moment_coded, unit_blocks=cpu.unit_blocks)  # fmt: skip
     base = {"runtime": HOST_RUNTIME_CUDA if cuda else HOST_RUNTIME_CPU, "data": s.data_bytes}
     training = {**base, **{f"optimizer.{k}": v for k, v in optimizer.items()},
                 "activation_pool": pool}  # fmt: skip

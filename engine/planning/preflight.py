@@ -15,6 +15,7 @@ from torch import nn
 
 from engine import dist
 from engine.config import Config, ConfigError
+from engine.optim.blockwise import NAME as BLOCKWISE
 from engine.planning import oom, planner, resolve
 from engine.planning.auto import NothingFits, Planner, gib
 from engine.planning.budget import Budgets
@@ -138,8 +139,9 @@ def refusal(p: Planner, plan: Plan) -> str:
 def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
     """The first narrower state form (both parts of the split narrow) that fits at this fraction and layer count, as
     the keys to set and the bytes it plans on `side` ("host" or "GPU"): the remainder master alone (exact), bf16
-    moments, then both. None where the states cannot narrow (not the engine's AdamW, the GPU assist; on the host: no
-    CPU-stepped part) or none fits."""
+    moments, then both, then block-wise 8-bit moments alone and with the remainder master (on the host where every
+    parameter is CPU-stepped: the part that holds them). None where the states cannot narrow (not the engine's
+    AdamW, the GPU assist; on the host: no CPU-stepped part) or none fits."""
     o, t, s = p.cfg.optimizer, p.cfg.train, p.settings
     no_cpu_part = plan.fraction == 0 or not o.optimizer_cpu_offload
     torch_cpu = o.optimizer_cpu_offload and o.use_torch_optimizer_for_cpu_offload
@@ -148,14 +150,21 @@ def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
         return None
     forms: list[tuple[list[str], dict]] = []
     rem = ["optimizer.store_param_remainders=true"], {"remainders": True}
-    bf16 = ["optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"], {"moment_bytes": (2, 2)}
+    bf16 = (
+        ["optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"],
+        {"moment_bytes": (2, 2), "moment_coded": (False, False)},
+    )
+    q8 = ([f"optimizer.exp_avg_dtype={BLOCKWISE}", f"optimizer.exp_avg_sq_dtype={BLOCKWISE}"],
+          {"moment_bytes": (1, 1), "moment_coded": (True, True)})  # fmt: skip
     can_rem = not s.remainders and t.precision == "bf16" and t.params_dtype == "half" and not o.delayed_param_update
     if can_rem:
         forms.append(rem)
-    if s.moment_bytes != (2, 2):
-        forms.append(bf16)
-        if can_rem:
-            forms.append((rem[0] + bf16[0], {**rem[1], **bf16[1]}))
+    all_cpu = side == "host" and plan.fraction == 1.0
+    for moments, narrower in ((bf16, sum(s.moment_bytes) > 4), (q8, all_cpu and s.moment_coded != (True, True))):
+        if narrower:  # exact forms first, then the narrower moments alone, then with the remainder master
+            forms.append(moments)
+            if can_rem:
+                forms.append((rem[0] + moments[0], {**rem[1], **moments[1]}))
     for keys, change in forms:
         trial = p.evaluate(plan.fraction, plan.offloaded_layers, replace(s, **change))
         if trial.fits:

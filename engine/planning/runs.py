@@ -11,6 +11,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.optim.blockwise import blocks
 from engine.optim.partition import unit_of
 
 
@@ -99,11 +100,12 @@ class Suffix:
     by_layer: list[tuple[int, int, int]] = field(default_factory=list)  # (first layer, end, elements per layer)
     by_side: dict[str, int] = field(default_factory=dict)  # "input" / "output" -> elements
     units: list[tuple[int, int]] = field(default_factory=list)  # (elements, how many consecutive units), forward
+    unit_blocks: list[int] = field(default_factory=list)  # per entry of units: one unit's blockwise.blocks
 
 
 def suffix(runs: tuple[ParamRun, ...], taken: int) -> Suffix:
     out = Suffix()
-    units: list[tuple[object, int, int]] = []  # (key, elements, repeats), backward order
+    units: list[tuple[object, int, int, int]] = []  # (key, elements, 8-bit blocks, repeats), backward order
     left = taken
     for r in reversed(runs):
         if left <= 0:
@@ -116,24 +118,25 @@ def suffix(runs: tuple[ParamRun, ...], taken: int) -> Suffix:
             out.by_layer.append((first, first + whole, r.size))
             out.numel += whole * r.size
             out.largest = max(out.largest, max(r.numels, default=0))
-            units.append((None, r.size, whole))
+            units.append((None, r.size, sum(map(blocks, r.numels)), whole))
         elif whole:  # count == 1: parameter by parameter below
             _take(out, units, r, 0, m, 0)
         part = min(left, m) if whole < r.count else 0
         if part:
             _take(out, units, r, m - part, m, r.count - 1 - whole)
             left -= part
-    merged: list[tuple[object, int, int]] = []
-    for key, n, rep in units:  # a unit split across two runs is one unit
+    merged: list[tuple[object, int, int, int]] = []
+    for key, n, b, rep in units:  # a unit split across two runs is one unit
         if merged and key is not None and merged[-1][0] == key:
-            merged[-1] = (key, merged[-1][1] + n, 1)
+            merged[-1] = (key, merged[-1][1] + n, merged[-1][2] + b, 1)
         else:
-            merged.append((key, n, rep))
-    for _, n, rep in reversed(merged):
-        if out.units and out.units[-1][0] == n:
+            merged.append((key, n, b, rep))
+    for _, n, b, rep in reversed(merged):
+        if out.units and out.units[-1][0] == n and out.unit_blocks[-1] == b:
             out.units[-1] = (n, out.units[-1][1] + rep)
         else:
             out.units.append((n, rep))
+            out.unit_blocks.append(b)
     return out
 
 
@@ -149,9 +152,9 @@ def _take(out: Suffix, units: list, r: ParamRun, lo: int, hi: int, j: int) -> No
             out.by_side[g] = out.by_side.get(g, 0) + n
         key = (r.units[i], j)
         if units and units[-1][0] == key:
-            units[-1] = (key, units[-1][1] + n, 1)
+            units[-1] = (key, units[-1][1] + n, units[-1][2] + blocks(n), 1)
         else:
-            units.append((key, n, 1))
+            units.append((key, n, blocks(n), 1))
 
 
 class Steps:

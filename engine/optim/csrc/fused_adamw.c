@@ -279,6 +279,18 @@ static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const v
 #define N_M(PK)                                                                                                 \
     (m_kind == KIND_BF16 ? N_V(PK, KIND_BF16) : m_kind == KIND_F16 ? N_V(PK, KIND_F16) : N_V(PK, KIND_F32))
 
+static void narrow_dispatch(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
+                            const void *v, int v_kind, const void *g, int g_kind, void *p_out, int16_t *rem_out,
+                            void *m_out, void *v_out, void *half_out, int half_kind, hyper_t h, int lerp_low) {
+    if (p_kind == P_REM) N_M(P_REM);
+    else N_M(P_F32);
+}
+
+static int bad_kinds(int p_kind, int m_kind, int v_kind, int g_kind, int half_kind, int m_max, int v_max) {
+    return p_kind < P_F32 || p_kind > P_REM || m_kind < KIND_F32 || m_kind > m_max || v_kind < KIND_F32 ||
+           v_kind > v_max || g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE;
+}
+
 /* p: fp32 master, or (p_kind P_REM) the bf16 weights with rem their remainders; outputs likewise (p_out the
  * new bf16 weights then, half_out unused). m, v and their outputs in m_kind, v_kind. Returns 0, or 1 on a bad
  * kind. The outputs may alias the inputs element for element. */
@@ -286,12 +298,71 @@ int fused_adamw_narrow(int64_t n, const void *p, const int16_t *rem, int p_kind,
                        const void *v, int v_kind, const void *g, int g_kind, float inv_scale, float coef, void *p_out,
                        int16_t *rem_out, void *m_out, void *v_out, void *half_out, int half_kind, float decay,
                        float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
-    if (p_kind < P_F32 || p_kind > P_REM || m_kind < KIND_F32 || m_kind > KIND_F16 || v_kind < KIND_F32 ||
-        v_kind > KIND_F16 || g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE)
-        return 1;
+    if (bad_kinds(p_kind, m_kind, v_kind, g_kind, half_kind, KIND_F16, KIND_F16)) return 1;
     hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
-    const int lerp_low = w1 < 0.5f;
-    if (p_kind == P_REM) N_M(P_REM);
-    else N_M(P_F32);
+    narrow_dispatch(n, p, rem, p_kind, m, m_kind, v, v_kind, g, g_kind, p_out, rem_out, m_out, v_out, half_out,
+                    half_kind, h, w1 < 0.5f);
+    return 0;
+}
+
+/* ---- block-wise 8-bit moments (blockwise.py): uint8 codes into a 256-entry map, one fp32 absmax per block ----
+ *
+ * Per block of QBLOCK elements (the slice starts on a block boundary of its parameter; the last block may be
+ * short): a coded moment is dequantised into an L1 block (map[code] * absmax), the block is stepped by the same
+ * narrow pass with that moment as fp32, then requantised: the block's absmax, each value divided by it (a zero
+ * block by 1) and coded as the number of map midpoints below it (the nearest map value). One sweep over memory. */
+
+enum { KIND_Q8 = 4, QBLOCK = 256 };
+
+static inline uint8_t q8_code(const float *restrict mid, float x) {
+    int i = 0; /* branchless binary search: how many of the 256 midpoints (the last +inf) lie below x */
+    for (int step = 128; step; step >>= 1) i += mid[i + step - 1] < x ? step : 0;
+    return (uint8_t)i;
+}
+
+static void q8_quantise(int64_t n, const float *restrict x, const float *restrict mid, uint8_t *restrict codes,
+                        float *absmax) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < n; ++j) amax = fmaxf(amax, fabsf(x[j]));
+    *absmax = amax;
+    const float d = amax > 0.0f ? amax : 1.0f;
+    for (int64_t j = 0; j < n; ++j) codes[j] = q8_code(mid, x[j] / d);
+}
+
+static int kind_size(int k) { return k == KIND_F32 ? 4 : k == KIND_Q8 ? 1 : 2; }
+
+/* As fused_adamw_narrow, with m_kind and/or v_kind KIND_Q8: m (v) then codes with m_absmax (v_absmax) one per
+ * block, written to m_out, m_absmax_out (which may alias them); m_map/m_mid, v_map/v_mid: the maps and their
+ * midpoints (blockwise.tables()). */
+int fused_adamw_blockwise(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
+                          const float *m_absmax, const void *v, int v_kind, const float *v_absmax, const void *g,
+                          int g_kind, float inv_scale, float coef, void *p_out, int16_t *rem_out, void *m_out,
+                          float *m_absmax_out, void *v_out, float *v_absmax_out, void *half_out, int half_kind,
+                          float decay, float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps,
+                          float neg_step_size, const float *m_map, const float *m_mid, const float *v_map,
+                          const float *v_mid) {
+    if (bad_kinds(p_kind, m_kind, v_kind, g_kind, half_kind, KIND_Q8, KIND_Q8)) return 1;
+    hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
+    const int lerp_low = w1 < 0.5f, psz = p_kind == P_REM ? 2 : 4, gsz = kind_size(g_kind);
+    const int msz = kind_size(m_kind), vsz = kind_size(v_kind), hsz = 2; /* half weights: bf16 or fp16 */
+    float bm[QBLOCK], bv[QBLOCK];
+    for (int64_t i = 0, b = 0; i < n; i += QBLOCK, ++b) {
+        const int64_t len = n - i < QBLOCK ? n - i : QBLOCK;
+        const uint8_t *mc = (const uint8_t *)m + i, *vc = (const uint8_t *)v + i;
+        if (m_kind == KIND_Q8)
+            for (int64_t j = 0; j < len; ++j) bm[j] = m_map[mc[j]] * m_absmax[b];
+        if (v_kind == KIND_Q8)
+            for (int64_t j = 0; j < len; ++j) bv[j] = v_map[vc[j]] * v_absmax[b];
+        const void *mi = m_kind == KIND_Q8 ? (const void *)bm : (const char *)m + i * msz;
+        const void *vi = v_kind == KIND_Q8 ? (const void *)bv : (const char *)v + i * vsz;
+        void *mo = m_kind == KIND_Q8 ? (void *)bm : (char *)m_out + i * msz;
+        void *vo = v_kind == KIND_Q8 ? (void *)bv : (char *)v_out + i * vsz;
+        narrow_dispatch(len, (const char *)p + i * psz, rem ? rem + i : NULL, p_kind, mi,
+                        m_kind == KIND_Q8 ? KIND_F32 : m_kind, vi, v_kind == KIND_Q8 ? KIND_F32 : v_kind,
+                        (const char *)g + i * gsz, g_kind, (char *)p_out + i * psz, rem_out ? rem_out + i : NULL, mo,
+                        vo, half_out ? (char *)half_out + i * hsz : NULL, half_kind, h, lerp_low);
+        if (m_kind == KIND_Q8) q8_quantise(len, bm, m_mid, (uint8_t *)m_out + i, m_absmax_out + b);
+        if (v_kind == KIND_Q8) q8_quantise(len, bv, v_mid, (uint8_t *)v_out + i, v_absmax_out + b);
+    }
     return 0;
 }

@@ -1,0 +1,143 @@
+"""Adam's moments held as block-wise 8-bit codes (optimizer.exp_avg_dtype / exp_avg_sq_dtype = "int8_blockwise").
+
+The form of the 8-bit optimizers (Dettmers et al., "8-bit Optimizers via Block-wise Quantization"; torchao's
+AdamW8bit, bitsandbytes): each parameter's moment is cut into blocks of BLOCK elements (the last one may be
+short), each block stored as one uint8 code per element plus the block's absolute maximum in fp32. A code indexes
+a fixed 256-entry map of values in [-1, 1] (exp_avg, signed) or [0, 1] (exp_avg_sq, unsigned): the element is
+map[code] * absmax. The maps are dynamic (log-spaced by decade, linear inside one): the top decade (0.1, 1] gets
+the most levels and each lower one half as many, down to 1e-6 of the block's maximum (1e-7 unsigned), so small
+moments keep a relative precision a linear int8 map would lose (it rounds them to zero, and a zero second moment
+under a non-zero first one is a step of lr/eps).
+
+Quantising: x / absmax (fp32 division; a block of zeros divides by 1) rounded to the nearest map value, found as
+the number of midpoints between consecutive map values that lie below it. The update itself is fp32: dequantise,
+AdamW as the other forms compute it, requantise (the step uses the fp32 moments before they are rounded, as torchao
+and bitsandbytes do). Blocks start at each parameter's first element, so a parameter steps on its own.
+
+Host bytes per moment: 1 per element + SCALE_BYTES per block (`moment_bytes`); the plan calls it.
+This module is the torch-op form (the fallback and the checkpoint path); csrc/fused_adamw.c's blockwise entry reads
+the same tables (`tables()`) and computes the same codes from the same fp32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+BLOCK = 256  # elements per scale: torchao's and bitsandbytes' block size for their 8-bit optimizers
+SCALE_BYTES = 4  # one fp32 absmax per block
+CODES = torch.uint8  # the dtype that marks this form where a moment's dtype is asked (options.STATE_DTYPE)
+NAME = "int8_blockwise"  # the config's value
+
+
+def blocks(numel: int) -> int:
+    """Blocks of one parameter's moment (a short last block counts as one)."""
+    return -(-numel // BLOCK)
+
+
+def moment_bytes(numels: Iterable[int]) -> int:
+    """Host bytes of one moment in this form for parameters of these sizes: codes and scales."""
+    return sum(n + SCALE_BYTES * blocks(n) for n in numels)
+
+
+def _dynamic_map(signed: bool) -> torch.Tensor:
+    """256 sorted fp32 values in [-1, 1] (signed) or [0, 1]: 0, and per decade d = 0, 1, ... levels spaced evenly
+    over (10^-(d+1), 10^-d], the top decade with 2^(bits-1) levels and each lower one half as many. Signed: 7
+    magnitude bits (127 values a side, 1e-6 the least), the unused 256th entry a copy of 1.0 (never chosen: no
+    normalised value exceeds 1). Unsigned: 8 magnitude bits (255 values, 1e-7 the least)."""
+    bits = 7 if signed else 8
+    mags = []
+    for d in range(bits):
+        levels = 1 << (bits - 1 - d)
+        mags += [10.0**-d * (0.1 + 0.9 * (j + 1) / levels) for j in range(levels)]
+    values = sorted([0.0] + mags + ([-x for x in mags] + [1.0] if signed else []))
+    return torch.tensor(values, dtype=torch.float64).float()
+
+
+SIGNED = _dynamic_map(True)  # exp_avg
+UNSIGNED = _dynamic_map(False)  # exp_avg_sq
+
+
+def _midpoints(qmap: torch.Tensor) -> torch.Tensor:
+    """255 fp32 midpoints of consecutive map values, then +inf: a value's code is how many of them lie below it."""
+    mid = (qmap[:-1].double() + qmap[1:].double()) / 2
+    return torch.cat([mid.float(), torch.tensor([float("inf")])])
+
+
+MIDPOINTS = {True: _midpoints(SIGNED), False: _midpoints(UNSIGNED)}
+
+
+def qmap(signed: bool) -> torch.Tensor:
+    return SIGNED if signed else UNSIGNED
+
+
+def tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(signed map, its midpoints, unsigned map, its midpoints): 256 fp32 each, contiguous, for the C pass."""
+    return SIGNED, MIDPOINTS[True], UNSIGNED, MIDPOINTS[False]
+
+
+def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of codes (1-D, one parameter's slice from a block boundary) with their blocks' absmax."""
+    scale = absmax.repeat_interleave(BLOCK)[: codes.numel()]
+    return qmap(signed)[codes.long()] * scale
+
+
+def quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, absmax fp32 per block) of an fp32 1-D slice starting at a block boundary."""
+    n = x.numel()
+    pad = blocks(n) * BLOCK - n
+    absmax = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, BLOCK).amax(1)
+    div = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).repeat_interleave(BLOCK)[:n]
+    codes = torch.bucketize(x / div, MIDPOINTS[signed][:-1], right=False)
+    return codes.to(CODES), absmax
+
+
+def block_slice(a: int, b: int) -> slice:
+    """The scales of elements [a, b) of one parameter (a on a block boundary)."""
+    return slice(a // BLOCK, blocks(b))
+
+
+# ---- checkpoints: a coded moment is saved as its codes (the parameter's shape) and "<key>_absmax" ----
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SIGNED_MOMENT = {"exp_avg": True, "exp_avg_sq": False}
+
+
+def absmax_key(key: str) -> str:
+    return f"{key}_absmax"
+
+
+def saved_values(st: dict, key: str) -> torch.Tensor:
+    """A saved moment's values, 1-D: as stored, or its codes dequantised to fp32."""
+    t = st[key].reshape(-1)
+    return dequantise(t, st[absmax_key(key)], SIGNED_MOMENT[key]) if t.dtype == CODES else t
+
+
+def widened(st: dict) -> dict:
+    """A saved parameter state with any coded moment as fp32 values of the parameter's shape (for a part that
+    does not hold this form)."""
+    out = {k: v for k, v in st.items() if k not in map(absmax_key, MOMENTS)}
+    for key in MOMENTS:
+        if torch.is_tensor(st.get(key)) and st[key].dtype == CODES:
+            out[key] = saved_values(st, key).view(st[key].shape)
+    return out
+
+
+def load_moment(st: dict, key: str, dest: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Set a held moment (dest, with its scales when coded) from a saved state in any form: codes copied as they
+    are into the coded form, values rounded into any other (quantised to the nearest code for the coded form); a
+    state saved without it (SGD's) starts at zero."""
+    if not torch.is_tensor(st.get(key)):
+        dest.zero_()
+        if scale is not None:
+            scale.zero_()
+    elif scale is None:
+        dest.copy_(saved_values(st, key))
+    elif st[key].dtype == CODES:
+        dest.copy_(st[key].reshape(-1))
+        scale.copy_(st[absmax_key(key)])
+    else:
+        codes, absmax = quantise(st[key].reshape(-1).float(), SIGNED_MOMENT[key])
+        dest.copy_(codes)
+        scale.copy_(absmax)
