@@ -144,6 +144,26 @@ def test_c_pass_codes_equal_torch_ops_codes():
     torch.testing.assert_close(a[2], b[2], rtol=1e-6, atol=0)
 
 
+def test_c_pass_finds_each_code_as_the_search_does():
+    """With beta1 = beta2 = 0 both passes compute m = g and v = g * g exactly, so the C pass's codes (found by its
+    cell table) must equal the torch search's bit for bit: values spread over every decade of the maps, both
+    signs, zeros, and a short last block."""
+    lib = _slice("c") and fused_kernel.load()
+    gen = torch.Generator().manual_seed(5)
+    n = 40 * BLOCK + 99
+    g = (torch.randn(n, generator=gen) * torch.pow(10.0, -9 * torch.rand(n, generator=gen))).bfloat16()
+    g[::17] = 0
+    sc = adamw_scalars(Hyper(1e-3, 0.0, 0.0, 1e-8, 0.0, 0.0), 1, 1.0, 1.0)
+    p = torch.randn(n, generator=gen)
+    (mc, ma), (vc, va) = _states(n, gen)
+    s = TensorStep(p, mc, vc, g, p.clone(), mc.clone(), vc.clone(), None, sc, None, None, ma, va, ma.clone(),
+                   va.clone())  # fmt: skip
+    fused_kernel.narrow_slice(lib, 0, n, s)
+    for codes, absmax, x, signed in ((s.m_out, s.ms_out, g.float(), True), (s.v_out, s.vs_out, g.float() ** 2, False)):
+        want_codes, want_max = blockwise.quantise(x, signed)
+        assert torch.equal(absmax, want_max) and torch.equal(codes, want_codes)
+
+
 # ---- through the optimizer ---------------------------------------------------------------------------------
 
 
@@ -310,3 +330,23 @@ def test_fp8_still_refused_naming_the_8bit_form():
 
     with pytest.raises(ConfigError, match=rf"optimizer.exp_avg_dtype.*fp8.*'{blockwise.NAME}'"):
         load_config({}, overrides=OFFLOAD + Q8_KEYS[:1] + ["optimizer.exp_avg_dtype=fp8"])
+
+
+def test_bench_optimizer_row_states_the_8bit_bytes(monkeypatch):
+    """bin/bench optimizer's row of ours with the 8-bit form (fraction 1), on the CPU (its CUDA calls no-ops): the
+    form reaches the optimizer and the row carries the pass's bytes per parameter, scales included."""
+    import types
+
+    from engine.bench import optimizer as bench
+
+    for fn in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    built, real_build = [], bench._build
+    monkeypatch.setattr(bench, "_build", lambda *args: built.append(real_build(*args)) or built[-1])
+    model = tiny_gpt(dtype=torch.bfloat16)
+    a = types.SimpleNamespace(weight_decay=0.1, lr=1e-3, cpu_threads=1, clip_grad=1.0, warmup=1)
+    data = [t for (t,) in batches(4, 1)]
+    r = bench._run("ours", 1.0, model, {k: v.clone() for k, v in model.state_dict().items()}, data, a, "int8-m/v")
+    assert built[0][0].options.exp_avg_sq_dtype == Q8 and r["pass_bytes"] == 16.0625
+    assert bench._dram(r, 10.0).startswith("16.0625 B, ")

@@ -114,7 +114,15 @@ def test_bench_cpass_rows(tmp_path):
     forms = json.loads(out.read_text())["forms"]
     assert {(r["form"], r["path"]) for r in forms} >= {(f, "torch-ops") for f in cpass.FORMS}
     by_form = {r["form"]: r["bytes_per_param"] for r in forms}
-    assert by_form == {"fp32": 28, "bf16-m/v": 20, "fp16-m/v": 20, "fp32-m/v+remainder": 26, "bf16-m/v+remainder": 18}
+    assert by_form == {
+        "fp32": 28,
+        "bf16-m/v": 20,
+        "fp16-m/v": 20,
+        "fp32-m/v+remainder": 26,
+        "bf16-m/v+remainder": 18,
+        "int8-m/v": 16.0625,
+        "int8-m/v+remainder": 14.0625,
+    }  # 8-bit: + 2 x 4 B / 256 per moment
     for r in forms:
         assert r["gbs"] == pytest.approx(r["bytes_per_param"] * 70000 / r["s"] / 1e9) and r["floor_gbs"] > 0
 
@@ -126,3 +134,5 @@ def test_pass_bytes_by_hand():
     assert fused_kernel.pass_bytes(f32, f32, f32, None, False) == 4 + 2 * 12  # fp32 weights: no half copy
     assert fused_kernel.pass_bytes(bf16, f16, bf16, bf16, False) == 2 + 2 * 8 + 2
     assert fused_kernel.pass_bytes(bf16, bf16, bf16, bf16, True) == 2 + 2 * (2 + 2 + 4)  # weight+remainder
+    q8 = torch.uint8  # block-wise 8-bit codes: 1 B each, and a 4 B maximum per 256 read and written
+    assert fused_kernel.pass_bytes(q8, q8, bf16, None, True) == 2 + 2 * (2 + 2 + 1 + 1) + 2 * 2 * 4 / 256

@@ -10,7 +10,8 @@ Rows: G params/s per call (median of --reps after one warm-up), at --threads thr
 engine's default: the cores this process may use, minus one); torch also at all cores; the torch-ops
 path the engine falls back to where the C pass does not build. Needs no GPU.
 
-Then the state forms (--forms): fp32, bf16/fp16 moments, the remainder master (store_param_remainders), each
+Then the state forms (--forms): fp32, bf16/fp16 moments, block-wise 8-bit moments (int8_blockwise), the remainder
+master (store_param_remainders), each
 stepped in place by the C pass and by the torch-ops fallback, with the bytes per parameter the pass moves
 through host memory (fused_kernel.pass_bytes), the GB/s that makes, and the DRAM floor measured in the same
 run: a torch copy moving the same bytes (half read, half written) at the same threads.
@@ -28,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.optim import fused_kernel, remainder
+from engine.optim import blockwise, fused_kernel, remainder
 from engine.optim.adam_math import Hyper, adamw_scalars
 from engine.optim.cpu_arith import FusedAdamW, TensorStep
 from engine.optim.hybrid import default_cpu_threads
@@ -131,14 +132,21 @@ def _measure(numel: int, threads: int, reps: int) -> list[dict]:
     return rows
 
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-FORMS = {  # name -> (exp_avg dtype, exp_avg_sq dtype, remainder master)
+F32, BF16, F16, Q8 = torch.float32, torch.bfloat16, torch.float16, blockwise.CODES
+FORMS = {  # name -> (exp_avg dtype, exp_avg_sq dtype, remainder master); Q8: block-wise 8-bit codes + scales
     "fp32": (F32, F32, False),
     "bf16-m/v": (BF16, BF16, False),
     "fp16-m/v": (F16, F16, False),
     "fp32-m/v+remainder": (F32, F32, True),
     "bf16-m/v+remainder": (BF16, BF16, True),
+    "int8-m/v": (Q8, Q8, False),
+    "int8-m/v+remainder": (Q8, Q8, True),
 }
+
+
+def _moment(x: torch.Tensor, dtype: torch.dtype, signed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A moment of fp32 values x held as dtype: (tensor, its per-block scales for the 8-bit form, else None)."""
+    return blockwise.quantise(x, signed) if dtype == Q8 else (x.to(dtype), None)
 
 
 def dram_floor_gbs(nbytes: int, threads: int, reps: int) -> float:
@@ -167,16 +175,17 @@ def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> lis
     for form in forms:
         m_dtype, v_dtype, rem = FORMS[form]
         p = torch.randn(numel, generator=g)
-        m = torch.randn(numel, generator=g).mul_(1e-3).to(m_dtype)
-        v = torch.rand(numel, generator=g).mul_(1e-6).to(v_dtype)
+        m, ms = _moment(torch.randn(numel, generator=g).mul_(1e-3), m_dtype, True)
+        v, vs = _moment(torch.rand(numel, generator=g).mul_(1e-6), v_dtype, False)
+        scales = (ms, vs, ms, vs)
         if rem:
             w, r = remainder.split(p)
-            step = [TensorStep(w, m, v, grad16, w, m, v, None, scalars, r, r)]
+            step = [TensorStep(w, m, v, grad16, w, m, v, None, scalars, r, r, *scales)]
         else:
             half = torch.empty(numel, dtype=torch.bfloat16)
-            step = [TensorStep(p, m, v, grad16, p, m, v, half, scalars)]
+            step = [TensorStep(p, m, v, grad16, p, m, v, half, scalars, None, None, *scales)]
         nbytes = fused_kernel.pass_bytes(m_dtype, v_dtype, grad16.dtype, None if rem else torch.bfloat16, rem)
-        floor = dram_floor_gbs(nbytes * numel, threads, reps)
+        floor = dram_floor_gbs(round(nbytes * numel), threads, reps)
         for path, lib_ in (("c", lib), ("torch-ops", None)):
             if path == "c" and lib is None:
                 continue
@@ -191,7 +200,7 @@ def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> lis
           f"bytes, {threads} threads) | of floor |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['form']} | {r['path']} | {r['bytes_per_param']} | {r['gparams_s']:.2f} | {r['gbs']:.1f} | "
+        print(f"| {r['form']} | {r['path']} | {r['bytes_per_param']:g} | {r['gparams_s']:.2f} | {r['gbs']:.1f} | "
               f"{r['floor_gbs']:.1f} | {r['gbs'] / r['floor_gbs']:.0%} |")  # fmt: skip
     return rows
 

@@ -72,9 +72,35 @@ def qmap(signed: bool) -> torch.Tensor:
     return SIGNED if signed else UNSIGNED
 
 
-def tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(signed map, its midpoints, unsigned map, its midpoints): 256 fp32 each, contiguous, for the C pass."""
-    return SIGNED, MIDPOINTS[True], UNSIGNED, MIDPOINTS[False]
+# The C pass finds a code without a search: an fp32 value's sign, binade (exponents below 2^-26 as one) and top 7
+# mantissa bits index CELL_BITS cells, each holding at most one midpoint (checked here), so the code is the cell's
+# first code, plus one where that code's midpoint lies below the value: the same count as the search.
+_E_MIN, _MANT = 101, 7  # binades from 2^(101-127) = 2^-26 up; 2^7 cells per binade
+CELL_BITS = 1 + 5 + _MANT
+
+
+def _cell_codes(signed: bool) -> torch.Tensor:
+    """uint8 per cell: how many midpoints lie below the cell's least value."""
+    mid = MIDPOINTS[signed][:-1].double()
+    idx = torch.arange(1 << CELL_BITS)
+    sign, e, mant = idx >> (CELL_BITS - 1), (idx >> _MANT) & 31, idx & ((1 << _MANT) - 1)
+    exp = (e + _E_MIN - 127).double()
+    lo = torch.where(e == 0, 0.0, torch.exp2(exp) * (1 + mant / (1 << _MANT)))
+    hi = torch.where(e == 0, torch.exp2(exp + 1), torch.exp2(exp) * (1 + (mant + 1) / (1 << _MANT)))
+    least, most = torch.where(sign == 1, -hi, lo), torch.where(sign == 1, -lo, hi)
+    first = torch.searchsorted(mid, least, right=False)  # midpoints below the cell's least value
+    inside = torch.searchsorted(mid, most, right=True) - first
+    if int(inside.max()) > 1:
+        raise AssertionError("a cell of the 8-bit map's code table holds two midpoints: use more mantissa bits")
+    return first.to(torch.uint8)
+
+
+CELLS = {True: _cell_codes(True), False: _cell_codes(False)}
+
+
+def tables() -> tuple[torch.Tensor, ...]:
+    """For the C pass, contiguous: the signed map, its midpoints, its cell codes, then the unsigned ones."""
+    return SIGNED, MIDPOINTS[True], CELLS[True], UNSIGNED, MIDPOINTS[False], CELLS[False]
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:

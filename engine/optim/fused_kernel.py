@@ -129,7 +129,7 @@ ARGTYPES += [ctypes.c_int]
 _VP, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 NARROW_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _I, _VP, _I, _F, _F] + [_VP] * 5 + [_I] + [_F] * 7
 BLOCKWISE_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _VP, _I, _VP, _VP, _I, _F, _F] + [_VP] * 7
-BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 4
+BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 6
 P_F32, P_REM = 0, 1  # the master's form in fused_adamw_narrow: fp32, or bf16 weight + int16 remainder
 KIND_Q8 = 4  # a moment held as block-wise 8-bit codes (blockwise.py), in fused_adamw_blockwise
 
@@ -163,16 +163,19 @@ def status() -> str:
     return _status if _lib is not None else f"torch ops: {_status}"
 
 
-def pass_bytes(m: torch.dtype, v: torch.dtype, grad: torch.dtype, half: torch.dtype | None, remainders: bool) -> int:
+def pass_bytes(m: torch.dtype, v: torch.dtype, grad: torch.dtype, half: torch.dtype | None, remainders: bool) -> float:
     """Bytes per parameter one pass reads and writes in host memory, as the code touches them: the gradient read;
-    the master (fp32, or the bf16 weight + int16 remainder), m and v read and written; the half weights written
-    (the remainder form's weight is its master's high half, already counted). 28 for the fp32 pass with bf16
-    gradient and weights, 18 for bf16 moments with the remainder master. In place or out of place alike (the
-    fp32 pass streams new buffers, skipping the write-allocate read); a plain store to the half weights may add
-    that read (2 B) in the narrow pass."""
+    the master (fp32, or the bf16 weight + int16 remainder), m and v read and written (a block-wise 8-bit moment,
+    blockwise.CODES: its code and its share of the block's fp32 maximum); the half weights written (the remainder
+    form's weight is its master's high half, already counted). 28 for the fp32 pass with bf16 gradient and
+    weights, 18 for bf16 moments with the remainder master, 14.0625 for 8-bit ones. In place or out of place alike
+    (the fp32 pass streams new buffers, skipping the write-allocate read); a plain store to the half weights may
+    add that read (2 B) in the narrow pass."""
     master = 2 + 2 if remainders else 4
     written_half = 0 if remainders or half is None else half.itemsize
-    return grad.itemsize + 2 * (master + m.itemsize + v.itemsize) + written_half
+    scales = sum(2 * blockwise.SCALE_BYTES / blockwise.BLOCK for d in (m, v) if d == blockwise.CODES)
+    total = grad.itemsize + 2 * (master + m.itemsize + v.itemsize) + written_half
+    return total + scales if scales else total
 
 
 def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:

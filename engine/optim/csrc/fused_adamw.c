@@ -314,33 +314,52 @@ int fused_adamw_narrow(int64_t n, const void *p, const int16_t *rem, int p_kind,
 
 enum { KIND_Q8 = 4, QBLOCK = 256 };
 
-static inline uint8_t q8_code(const float *restrict mid, float x) {
-    int i = 0; /* branchless binary search: how many of the 256 midpoints (the last +inf) lie below x */
-    for (int step = 128; step; step >>= 1) i += mid[i + step - 1] < x ? step : 0;
-    return (uint8_t)i;
+/* How many of the 256 midpoints (the last +inf) lie below x: x's cell (sign, binade from 2^-26, top 7 mantissa
+ * bits) holds at most one midpoint (blockwise.py checks), so its first code, plus one past that midpoint. */
+static inline uint8_t q8_code(const float *restrict mid, const uint8_t *restrict cells, float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    int e = (int)((u >> 23) & 0xffu) - 101;
+    e = e < 0 ? 0 : e > 31 ? 31 : e;
+    const int c = cells[((u >> 31) << 12) | ((uint32_t)e << 7) | ((u >> 16) & 0x7fu)];
+    return (uint8_t)(c + (mid[c] < x));
 }
 
-static void q8_quantise(int64_t n, const float *restrict x, const float *restrict mid, uint8_t *restrict codes,
-                        float *absmax) {
-    float amax = 0.0f;
-    for (int64_t j = 0; j < n; ++j) amax = fmaxf(amax, fabsf(x[j]));
+/* n <= QBLOCK. The maximum over 8 lanes and the division into a block of its own, so both vectorise; the code
+ * lookup (two table reads) stays scalar. The lanes' maximum is the block's (max is exact in any order). */
+static void q8_quantise(int64_t n, const float *restrict x, const float *restrict mid, const uint8_t *restrict cells,
+                        uint8_t *restrict codes, float *absmax) {
+    float lane[8] = {0}, scaled[QBLOCK];
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; ++k) {
+            const float a = fabsf(x[j + k]);
+            lane[k] = a > lane[k] ? a : lane[k];
+        }
+    for (; j < n; ++j) {
+        const float a = fabsf(x[j]);
+        lane[0] = a > lane[0] ? a : lane[0];
+    }
+    float amax = lane[0];
+    for (int k = 1; k < 8; ++k) amax = lane[k] > amax ? lane[k] : amax;
     *absmax = amax;
     const float d = amax > 0.0f ? amax : 1.0f;
-    for (int64_t j = 0; j < n; ++j) codes[j] = q8_code(mid, x[j] / d);
+    for (j = 0; j < n; ++j) scaled[j] = x[j] / d;
+    for (j = 0; j < n; ++j) codes[j] = q8_code(mid, cells, scaled[j]);
 }
 
 static int kind_size(int k) { return k == KIND_F32 ? 4 : k == KIND_Q8 ? 1 : 2; }
 
 /* As fused_adamw_narrow, with m_kind and/or v_kind KIND_Q8: m (v) then codes with m_absmax (v_absmax) one per
- * block, written to m_out, m_absmax_out (which may alias them); m_map/m_mid, v_map/v_mid: the maps and their
- * midpoints (blockwise.tables()). */
+ * block, written to m_out, m_absmax_out (which may alias them); m_map/m_mid/m_cells, v_map/v_mid/v_cells: the
+ * maps, their midpoints and cell codes (blockwise.tables()). */
 int fused_adamw_blockwise(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
                           const float *m_absmax, const void *v, int v_kind, const float *v_absmax, const void *g,
                           int g_kind, float inv_scale, float coef, void *p_out, int16_t *rem_out, void *m_out,
                           float *m_absmax_out, void *v_out, float *v_absmax_out, void *half_out, int half_kind,
                           float decay, float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps,
-                          float neg_step_size, const float *m_map, const float *m_mid, const float *v_map,
-                          const float *v_mid) {
+                          float neg_step_size, const float *m_map, const float *m_mid, const uint8_t *m_cells,
+                          const float *v_map, const float *v_mid, const uint8_t *v_cells) {
     if (bad_kinds(p_kind, m_kind, v_kind, g_kind, half_kind, KIND_Q8, KIND_Q8)) return 1;
     hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
     const int lerp_low = w1 < 0.5f, psz = p_kind == P_REM ? 2 : 4, gsz = kind_size(g_kind);
@@ -361,8 +380,8 @@ int fused_adamw_blockwise(int64_t n, const void *p, const int16_t *rem, int p_ki
                         m_kind == KIND_Q8 ? KIND_F32 : m_kind, vi, v_kind == KIND_Q8 ? KIND_F32 : v_kind,
                         (const char *)g + i * gsz, g_kind, (char *)p_out + i * psz, rem_out ? rem_out + i : NULL, mo,
                         vo, half_out ? (char *)half_out + i * hsz : NULL, half_kind, h, lerp_low);
-        if (m_kind == KIND_Q8) q8_quantise(len, bm, m_mid, (uint8_t *)m_out + i, m_absmax_out + b);
-        if (v_kind == KIND_Q8) q8_quantise(len, bv, v_mid, (uint8_t *)v_out + i, v_absmax_out + b);
+        if (m_kind == KIND_Q8) q8_quantise(len, bm, m_mid, m_cells, (uint8_t *)m_out + i, m_absmax_out + b);
+        if (v_kind == KIND_Q8) q8_quantise(len, bv, v_mid, v_cells, (uint8_t *)v_out + i, v_absmax_out + b);
     }
     return 0;
 }
