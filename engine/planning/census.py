@@ -248,6 +248,8 @@ def model_census(
     seen = example_batch is not None
     if layers is not None and seen:
         acts = _measure_batch(cfg, model, layers, example_batch, loss_fn, notes, batch_name)
+    elif layers is not None and not measure and _is_builtin_gpt(model):
+        acts = _builtin_gpt_activations(cfg, model, cuda)  # its batches are model.seq_length x the micro-batch
     elif layers is not None and measure:
         acts = _measure(cfg, model, layers, example_input, notes)
         notes.append(f"activations measured at model.seq_length={cfg.model.seq_length}, a guess: no batch of "
@@ -272,6 +274,24 @@ def _is_builtin_gpt(model: nn.Module) -> bool:
     from engine.models.gpt import GPT
 
     return isinstance(model, GPT)
+
+
+def _builtin_gpt_activations(cfg: Config, model: nn.Module, cuda: bool) -> Activations:
+    """A built-in GPT given to initialize without a batch: the saved storages of the formula the plan of the GPT it
+    builds counts (builtin_census), at the given model's own widths; the config's where its layers do not tell
+    (Transformer Engine layers)."""
+    m, t = cfg.model, cfg.train
+    first = model.layers[0] if len(model.layers) else None
+    attn, mlp = getattr(first, "attn", None), getattr(first, "mlp", None)
+    shape = gpt_shape(m, len(model.layers))
+    selective = bool(getattr(attn, "recompute_core", False)) or m.recompute_granularity == "selective"
+    acts = gpt_activations(num_layers=len(model.layers), hidden=model.embedding.embedding_dim,
+                           ffn=mlp.fc1.out_features if hasattr(mlp, "fc1") else shape["ffn_hidden_size"],
+                           heads=getattr(attn, "num_heads", m.num_attention_heads), seq=m.seq_length,
+                           vocab=model.output.out_features, micro_batch=t.micro_batch_size, precision=t.precision,
+                           params_dtype=t.params_dtype, recompute="selective" if selective else m.recompute_granularity,
+                           cuda=cuda)  # fmt: skip
+    return _with_fused_loss(cfg, model, acts, t.micro_batch_size * m.seq_length)
 
 
 def _precision_context(cfg: Config, model: nn.Module, notes: list[str]):
