@@ -248,9 +248,9 @@ def test_the_step_price_counts_the_bytes_the_narrow_pass_moves():
 def test_a_moment_dtype_not_built_here_is_refused_in_one_line():
     from engine.optim.gpu_side import gpu_part
 
-    with pytest.raises(ValueError, match=r"^exp_avg_dtype \(optimizer.exp_avg_dtype\)=torch.uint8 is not built on the "
-                       r"GPU-stepped part .*: set optimizer.optimizer_offload_fraction=1"):  # fmt: skip
-        gpu_part(_params("cpu", BF16), kind="adam", n_groups=2, moment_dtypes=(torch.uint8, BF16))
+    with pytest.raises(ValueError, match=r"^exp_avg_dtype \(optimizer.exp_avg_dtype\)=torch.float64 is not built on "
+                       r"the GPU-stepped part .*: use one of them"):  # fmt: skip
+        gpu_part(_params("cpu", BF16), kind="adam", n_groups=2, moment_dtypes=(torch.float64, BF16))
 
 
 def test_gpu_refusal_names_the_narrower_states_that_fit_without_a_cpu_part():

@@ -7,10 +7,10 @@ sides with fused=True, param_update_in_fp32=True, overlap on. Prints one table: 
 (forward + backward + clip + step), that time over ours at f=0, peak GPU memory, the CPU step time,
 the loss difference from ours at f=0, and how many measured steps were clipped.
 
---forms adds our rows with narrow CPU-side states (bin/bench cpass's forms: bf16/fp16 moments, the remainder
-master) at each fraction above 0, block-wise 8-bit moments at fraction 1 only (the part that holds them); every
-row of ours states the CPU step's bytes per parameter through host memory (fused_kernel.pass_bytes) and the GB/s
-reached, against the DRAM floor measured in the same run (a torch copy of the same bytes, bin/bench cpass's).
+--forms adds our rows with narrow states (bin/bench cpass's forms: bf16/fp16 moments, block-wise 8-bit moments,
+the remainder master) at each fraction above 0; every row of ours states the CPU step's bytes per parameter
+through host memory (fused_kernel.pass_bytes) and the GB/s reached, against the DRAM floor measured in the same
+run (a torch copy of the same bytes, bin/bench cpass's).
 
 Data: `--data stdlib` (default) trains on the bytes of Python's standard library sources (vocab 256),
 so the loss falls and gradient norms behave as in real training; `--data random` draws uniform
@@ -32,7 +32,7 @@ from engine.bench import no_cuda
 from engine.bench.cpass import FORMS, dram_floor_gbs
 from engine.data import stdlib_bytes
 from engine.models.gpt import GPT, gpt_loss
-from engine.optim import HybridDeviceOptimizer, HybridOptions, blockwise
+from engine.optim import HybridDeviceOptimizer, HybridOptions
 from engine.optim.fused_kernel import pass_bytes
 from engine.optim.hybrid import default_cpu_threads
 from engine.optim.param_groups import named_parameter_groups
@@ -217,9 +217,7 @@ def main(argv: list[str]) -> int:
           f"vocab {a.vocab}: {n_params / 1e9:.3f} B params, bf16 weights + fp32 masters; {a.iters} iterations, "
           f"median of the last {a.iters - a.warmup}; clip_grad {a.clip_grad}; data {a.data}")  # fmt: skip
     runs = [("ours", float(f), "fp32") for f in a.fractions.split(",") if f]
-    for form in forms:  # the 8-bit moments are the CPU-stepped part's only: every parameter CPU-stepped
-        fractions = [1.0] if FORMS[form][0] == blockwise.CODES else [float(f) for f in a.fractions.split(",") if f]
-        runs += [("ours", f, form) for f in fractions if f > 0]
+    runs += [("ours", float(f), form) for form in forms for f in a.fractions.split(",") if f and float(f) > 0]
     runs += [("ours+assist", float(f), "fp32") for f in a.assist_fractions.split(",") if f]
     runs += [("ours+torch-cpu", float(f), "fp32") for f in a.torch_cpu_fractions.split(",") if f]
     if a.compare == "megatron" and _megatron_available():

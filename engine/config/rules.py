@@ -316,10 +316,6 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
         elif o.cpu_offload_gpu_assist:
             yield Problem(f"optimizer.{k}", "does not combine with optimizer.cpu_offload_gpu_assist=true (the "
                           "assist streams fp32 states); set one of them back")  # fmt: skip
-        elif getattr(o, k) == "int8_blockwise" and not (o.optimizer_cpu_offload and o.optimizer_offload_fraction == 1):
-            yield Problem(f"optimizer.{k}", "is built for the CPU-stepped part only: set "
-                          "optimizer.optimizer_cpu_offload=true and optimizer.optimizer_offload_fraction=1 (every "
-                          f"parameter CPU-stepped), or optimizer.{k}='bf16' (both parts)")  # fmt: skip
     if o.store_param_remainders:
         yield from _remainders(c)
 

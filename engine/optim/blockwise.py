@@ -68,8 +68,22 @@ def _midpoints(qmap: torch.Tensor) -> torch.Tensor:
 MIDPOINTS = {True: _midpoints(SIGNED), False: _midpoints(UNSIGNED)}
 
 
-def qmap(signed: bool) -> torch.Tensor:
-    return SIGNED if signed else UNSIGNED
+_ON_DEVICE: dict[tuple[bool, bool, torch.device], torch.Tensor] = {}  # (signed, midpoints?, device) -> table
+
+
+def qmap(signed: bool, device: torch.device | None = None) -> torch.Tensor:
+    """The map (on `device`, copied there once)."""
+    return _table(signed, False, device)
+
+
+def _table(signed: bool, midpoints: bool, device: torch.device | None) -> torch.Tensor:
+    t = MIDPOINTS[signed] if midpoints else (SIGNED if signed else UNSIGNED)
+    if device is None or device.type == "cpu":
+        return t
+    key = (signed, midpoints, device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = t.to(device)
+    return _ON_DEVICE[key]
 
 
 # The C pass finds a code without a search: an fp32 value's sign, binade (exponents below 2^-26 as one) and top 7
@@ -106,7 +120,7 @@ def tables() -> tuple[torch.Tensor, ...]:
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values of codes (1-D, one parameter's slice from a block boundary) with their blocks' absmax."""
     scale = absmax.repeat_interleave(BLOCK)[: codes.numel()]
-    return qmap(signed)[codes.long()] * scale
+    return qmap(signed, codes.device)[codes.long()] * scale
 
 
 def quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +129,7 @@ def quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
     pad = blocks(n) * BLOCK - n
     absmax = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, BLOCK).amax(1)
     div = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).repeat_interleave(BLOCK)[:n]
-    codes = torch.bucketize(x / div, MIDPOINTS[signed][:-1], right=False)
+    codes = torch.bucketize(x / div, _table(signed, True, x.device)[:-1], right=False)
     return codes.to(CODES), absmax
 
 

@@ -23,22 +23,25 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
-from engine.optim import remainder
+from engine.optim import blockwise, remainder
 from engine.optim.adam_math import Hyper
 
 STAGING_ELEMS = 1 << 24  # fp32 elements per staging buffer: 64 MiB each, ~100 slices for a 1.6 B GPU part
 _FP32 = torch.float32
-NARROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the moments' storage dtypes built here
+# the moments' storage dtypes built here; blockwise.CODES: block-wise 8-bit codes with per-block maxima (blockwise.py)
+NARROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, blockwise.CODES)
 
 
-def narrow_gpu_bytes(
-    numel: int, *, half_weights: bool, moment_bytes: tuple[int, int], remainders: bool
-) -> dict[str, int]:
+def narrow_gpu_bytes(numel: int, *, half_weights: bool, moment_bytes: tuple[int, int], remainders: bool,
+                     coded: tuple[bool, bool] = (False, False), blocks: int = 0) -> dict[str, int]:  # fmt: skip
     """GPU bytes of a narrow-state GPU part over `numel` parameters: master_weights and optimizer_states (held),
-    optimizer_step_staging (during the step). remainders: bf16 weights with the remainder master."""
+    optimizer_step_staging (during the step). remainders: bf16 weights with the remainder master. coded: the
+    moments held as block-wise 8-bit codes (moment_bytes 1), blocks: the parameters' blockwise.blocks summed
+    (one fp32 maximum each per coded moment)."""
     master = (remainder.REMAINDER_BYTES if remainders else 4) * numel if half_weights else 0
     staged = 1 + (moment_bytes[0] != 4) + (moment_bytes[1] != 4) + (remainders and half_weights)
-    return {"master_weights": master, "optimizer_states": sum(moment_bytes) * numel,
+    scales = blockwise.SCALE_BYTES * blocks * sum(coded)
+    return {"master_weights": master, "optimizer_states": sum(moment_bytes) * numel + scales,
             "optimizer_step_staging": 4 * staged * min(STAGING_ELEMS, numel)}  # fmt: skip
 
 
@@ -78,6 +81,10 @@ class NarrowGpuPart:
                 self.master[n] = p.detach().float().reshape(-1).clone()
         self.m = {n: torch.zeros(p.numel(), dtype=moment_dtypes[0], device=p.device) for n, p in self.params.items()}
         self.v = {n: torch.zeros(p.numel(), dtype=moment_dtypes[1], device=p.device) for n, p in self.params.items()}
+        # a coded moment's per-block maxima (zero: every code reads as zero)
+        self.coded = tuple(d == blockwise.CODES for d in moment_dtypes)
+        self.scales = [{n: torch.zeros(blockwise.blocks(p.numel()), device=p.device) for n, p in self.params.items()}
+                       if c else {} for c in self.coded]  # fmt: skip
         self.steps = dict.fromkeys(self.params, 0)
         self.staging_bytes = 0  # of the last step's staging buffers
 
@@ -90,8 +97,9 @@ class NarrowGpuPart:
         """The tensors held between steps, by the memory plan's parts."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         masters = [t for n, t in self.master.items() if t.dtype != self.params[n].dtype]
+        scales = [t for by_name in self.scales for t in by_name.values()]
         return {"master_weights": size(masters) + size(self.rem.values()),
-                "optimizer_states": size(self.m.values()) + size(self.v.values())}  # fmt: skip
+                "optimizer_states": size(self.m.values()) + size(self.v.values()) + size(scales)}  # fmt: skip
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor], hypers: list[Hyper], inv_scale: float, coef: float) -> None:
@@ -117,6 +125,12 @@ class NarrowGpuPart:
             numel, a = self.params[n].numel(), 0
             while a < numel:
                 k = min(numel - a, size - used)
+                if any(self.coded) and a + k < numel:  # a coded moment's slice ends on a block boundary
+                    k -= k % blockwise.BLOCK
+                    if k == 0:  # this slice is full to the block: step it (size >= BLOCK here)
+                        self._step_slice(pieces, grads, staging, hypers[self.group_of[n]], (inv_scale, coef))
+                        pieces, used = [], 0
+                        continue
                 pieces.append((n, a, a + k, used))
                 used, a = used + k, a + k
                 if used == size:
@@ -140,8 +154,11 @@ class NarrowGpuPart:
             grads.append(g)
             ps.append(remainder.join_into(staging["p"][o : o + b - a], w, self.rem[n][a:b]) if n in self.rem
                       else self.master[n][a:b])  # fmt: skip
-            for states, key, out in ((self.m, "m", ms), (self.v, "v", vs)):
+            for states, key, out, scales, signed in ((self.m, "m", ms, self.scales[0], True),
+                                                     (self.v, "v", vs, self.scales[1], False)):  # fmt: skip
                 s = states[n][a:b]
+                if scales:  # block-wise 8-bit codes: their values
+                    s = blockwise.dequantise(s, scales[n][blockwise.block_slice(a, b)], signed)
                 out.append(staging[key][o : o + b - a].copy_(s) if key in staging else s)
             # the count before this step: the optimizer adds one, as torch.optim's state["step"] (on the device
             # for the fused kernel, on the host for the single-tensor one)
@@ -153,10 +170,14 @@ class NarrowGpuPart:
               beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
               maximize=False)  # fmt: skip
         for (n, a, b, _), p, m, v in zip(pieces, ps, ms, vs, strict=True):
-            if "m" in staging:
-                self.m[n][a:b].copy_(m)  # rounded to nearest even
-            if "v" in staging:
-                self.v[n][a:b].copy_(v)
+            for states, key, x, scales, signed in ((self.m, "m", m, self.scales[0], True),
+                                                   (self.v, "v", v, self.scales[1], False)):  # fmt: skip
+                if scales:  # requantised per block: the nearest code
+                    codes, absmax = blockwise.quantise(x, signed)
+                    states[n][a:b].copy_(codes)
+                    scales[n][blockwise.block_slice(a, b)].copy_(absmax)
+                elif key in staging:
+                    states[n][a:b].copy_(x)  # rounded to nearest even
             w = self.params[n].detach().view(-1)[a:b]
             if n in self.rem:
                 remainder.split_from(p, w, self.rem[n][a:b])
@@ -170,9 +191,13 @@ class NarrowGpuPart:
             master = remainder.join(p.detach().reshape(-1).cpu(), self.rem[name].cpu())
         else:
             master = self.master[name].detach().float().cpu().clone()
-        return {"step": self.steps[name], "master": master.view(p.shape),
-                "exp_avg": self.m[name].cpu().clone().view(p.shape),
-                "exp_avg_sq": self.v[name].cpu().clone().view(p.shape)}  # fmt: skip
+        st = {"step": self.steps[name], "master": master.view(p.shape),
+              "exp_avg": self.m[name].cpu().clone().view(p.shape),
+              "exp_avg_sq": self.v[name].cpu().clone().view(p.shape)}  # fmt: skip
+        for key, scales in zip(blockwise.MOMENTS, self.scales, strict=True):
+            if scales:  # saved in its form: the codes and their blocks' maxima
+                st[blockwise.absmax_key(key)] = scales[name].cpu().clone()
+        return st
 
     @torch.no_grad()
     def load(self, name: str, st: dict) -> None:
@@ -187,6 +212,6 @@ class NarrowGpuPart:
             p.view(-1).copy_(weight)
         else:
             self.master[name].copy_(master)
-        for states, key in ((self.m, "exp_avg"), (self.v, "exp_avg_sq")):
-            saved = st.get(key)  # a state saved without moments (SGD's) starts them at zero
-            states[name].copy_(saved.reshape(-1)) if torch.is_tensor(saved) else states[name].zero_()
+        for states, key, scales in ((self.m, "exp_avg", self.scales[0]), (self.v, "exp_avg_sq", self.scales[1])):
+            # any saved form (codes dequantised or kept, values rounded or quantised); none (SGD's): zero
+            blockwise.load_moment(st, key, states[name], scales[name] if scales else None)

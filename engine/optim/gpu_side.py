@@ -20,13 +20,16 @@ _FP32_STATES = (torch.float32, torch.float32)
 
 
 def gpu_side_bytes(numel: int, *, kind: str, momentum: bool, half_weights: bool, main_grads: bool,
-                   moment_bytes: tuple[int, int] = (4, 4), remainders: bool = False) -> dict[str, int]:  # fmt: skip
+                   moment_bytes: tuple[int, int] = (4, 4), remainders: bool = False,
+                   coded: tuple[bool, bool] = (False, False), blocks: int = 0) -> dict[str, int]:  # fmt: skip
     """GPU bytes of the GPU-stepped part over `numel` parameters: master_weights and optimizer_states (held),
     optimizer_step_staging (during the step only). half_weights: bf16/fp16 weights (else fp32, their own masters);
     main_grads: the gradients arrive as fp32 sums; momentum: SGD with a momentum buffer; moment_bytes: the
-    (exp_avg, exp_avg_sq) element sizes; remainders: the bf16 weight + int16 remainder master."""
+    (exp_avg, exp_avg_sq) element sizes; remainders: the bf16 weight + int16 remainder master; coded: moments held
+    as block-wise 8-bit codes, blocks: the parameters' quantisation blocks (gpu_narrow.narrow_gpu_bytes)."""
     if kind == "adam" and (moment_bytes != (4, 4) or remainders):
-        return narrow_gpu_bytes(numel, half_weights=half_weights, moment_bytes=moment_bytes, remainders=remainders)
+        return narrow_gpu_bytes(numel, half_weights=half_weights, moment_bytes=moment_bytes, remainders=remainders,
+                                coded=coded, blocks=blocks)  # fmt: skip
     states = {"adam": 8, "sgd": 4 if momentum else 0}[kind]
     # the fp32 copies of half gradients the torch optimizer steps on (fp32 sums are stepped on directly)
     staging = 4 * numel if half_weights and not main_grads else 0
@@ -55,8 +58,8 @@ def gpu_part(entries: list[tuple[str, torch.nn.Parameter, int]], *, kind: str, n
         return GpuPart(entries, kind=kind, n_groups=n_groups)
     for key, dtype in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moment_dtypes, strict=True):
         if entries and dtype not in NARROW_DTYPES:
-            raise ValueError(f"{key} (optimizer.{key})={dtype} is not built on the GPU-stepped part (fp32, bf16 or "
-                             "fp16 there): set optimizer.optimizer_offload_fraction=1 or a 16-bit dtype")  # fmt: skip
+            raise ValueError(f"{key} (optimizer.{key})={dtype} is not built on the GPU-stepped part (fp32, bf16, "
+                             "fp16 or the block-wise 8-bit codes there): use one of them")  # fmt: skip
     return NarrowGpuPart(entries, moment_dtypes=moment_dtypes, remainders=remainders)
 
 

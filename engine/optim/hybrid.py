@@ -399,11 +399,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self.cpu is not None and self.cpu.host.remainders:
             keep |= self.cpu_names  # the remainder form sets these weights itself: the masters' high halves
         keep |= self.gpu.sets_weights
-        coded = self.cpu is not None and any(self.cpu.host.coded)
+        # the parts that hold moments in any form read block-wise 8-bit codes themselves (blockwise.load_moment);
+        # the fp32 GPU part and torch.optim get their values
+        reads_codes = {id(self.gpu): isinstance(self.gpu, NarrowGpuPart),
+                       id(self.cpu): self.cpu is not None and self.cpu.host.m is not None}  # fmt: skip
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
-            # the host state reads block-wise 8-bit codes itself; any other part gets their values
-            side.load(n, saved[n] if side is self.cpu and coded else blockwise.widened(saved[n]))
+            side.load(n, saved[n] if reads_codes[id(side)] else blockwise.widened(saved[n]))
             if n not in keep:  # kept: the model's loaded weights are the ones the next forward reads
                 p = self.params_by_name[n]
                 p.copy_(saved[n]["master"].to(device=p.device, dtype=p.dtype).reshape(p.shape))

@@ -114,7 +114,7 @@ class HybridOptions:
     gpu_assist: bool = False
     speculation_buffer_mb: int = 2048
     exp_avg_dtype: torch.dtype = torch.float32  # both parts' moments (precision-aware optimizer); STATE_DTYPES:
-    # torch.uint8 the block-wise 8-bit form (blockwise.py), the CPU-stepped part's only
+    # torch.uint8 the block-wise 8-bit form (blockwise.py)
     exp_avg_sq_dtype: torch.dtype = torch.float32
     store_param_remainders: bool = False  # both parts' fp32 master as bf16 weight + int16 remainder
 

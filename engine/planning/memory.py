@@ -32,6 +32,7 @@ from engine.offload.api import DEFAULT_MIN_BYTES, reload_lookahead
 from engine.offload.pool import host_buffer_bytes
 from engine.offload.session import double_buffer_bytes
 from engine.optim.blockwise import NAME as BLOCKWISE
+from engine.optim.blockwise import blocks
 from engine.optim.delayed import shadow_gpu_bytes
 from engine.optim.gpu_assist import assist_gpu_bytes
 from engine.optim.gpu_side import gpu_side_bytes
@@ -242,15 +243,16 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     k = k if s.layer_offload else 0
     r = recomputed_count(c, s, k, r)
     fraction = fraction if s.cpu_offload else 0.0
-    cpu, n_owned = _cpu_side(c, s, fraction)
+    cpu, n_owned, blocks_owned = _cpu_side(c, s, fraction)
     n_cpu = cpu.numel
     n_gpu_side = n_owned - n_cpu
+    gpu_blocks = blocks_owned - sum(b * r for b, (_, r) in zip(cpu.unit_blocks, cpu.units, strict=True))
 
     g_final = 4 if s.main_grads else s.weight_elem
     g_acc = 4 if s.main_grads else (s.weight_elem if s.micro_batches > 1 else 0)
     gpu_side = gpu_side_bytes(n_gpu_side, kind=s.kind, momentum=s.momentum, half_weights=s.half,
                               main_grads=s.main_grads, moment_bytes=s.moment_bytes,
-                              remainders=s.remainders)  # fmt: skip
+                              remainders=s.remainders, coded=s.moment_coded, blocks=gpu_blocks)  # fmt: skip
     persistent = {
         "weights": c.weight_bytes,
         "master_weights": gpu_side["master_weights"],
@@ -307,14 +309,16 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
                 notes=tuple(notes), batch_seen=c.batch_seen, recomputed_layers=r)  # fmt: skip
 
 
-def _cpu_side(c: Census, s: Settings, fraction: float) -> tuple[Suffix, int]:
-    """(the CPU-stepped parameters, the elements the planned rank owns) at `fraction`: the split of
-    engine.optim.partition over the rank's parameters (all of them without the distributed optimizer)."""
+def _cpu_side(c: Census, s: Settings, fraction: float) -> tuple[Suffix, int, int]:
+    """(the CPU-stepped parameters, the elements the planned rank owns, their block-wise 8-bit blocks) at
+    `fraction`: the split of engine.optim.partition over the rank's parameters (all of them without the
+    distributed optimizer)."""
     key = ("cpu", fraction, s.world if s.distributed else 1)
     if key not in c.split_cache:  # "auto" asks for the same fraction at many layer counts
         runs = c.owned_runs(s.world) if s.distributed else c.runs
         taken = offload_count([(r.numels, r.count) for r in runs], fraction) if fraction > 0 else 0
-        c.split_cache[key] = (suffix(runs, taken), sum(r.size * r.count for r in runs))
+        c.split_cache[key] = (suffix(runs, taken), sum(r.size * r.count for r in runs),
+                              sum(r.count * sum(map(blocks, r.numels)) for r in runs))  # fmt: skip
     return c.split_cache[key]
 
 

@@ -139,9 +139,8 @@ def refusal(p: Planner, plan: Plan) -> str:
 def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
     """The first narrower state form (both parts of the split narrow) that fits at this fraction and layer count, as
     the keys to set and the bytes it plans on `side` ("host" or "GPU"): the remainder master alone (exact), bf16
-    moments, then both, then block-wise 8-bit moments alone and with the remainder master (on the host where every
-    parameter is CPU-stepped: the part that holds them). None where the states cannot narrow (not the engine's
-    AdamW, the GPU assist; on the host: no CPU-stepped part) or none fits."""
+    moments, then both, then block-wise 8-bit moments alone and with the remainder master. None where the states
+    cannot narrow (not the engine's AdamW, the GPU assist; on the host: no CPU-stepped part) or none fits."""
     o, t, s = p.cfg.optimizer, p.cfg.train, p.settings
     no_cpu_part = plan.fraction == 0 or not o.optimizer_cpu_offload
     torch_cpu = o.optimizer_cpu_offload and o.use_torch_optimizer_for_cpu_offload
@@ -159,8 +158,7 @@ def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
     can_rem = not s.remainders and t.precision == "bf16" and t.params_dtype == "half" and not o.delayed_param_update
     if can_rem:
         forms.append(rem)
-    all_cpu = side == "host" and plan.fraction == 1.0
-    for moments, narrower in ((bf16, sum(s.moment_bytes) > 4), (q8, all_cpu and s.moment_coded != (True, True))):
+    for moments, narrower in ((bf16, sum(s.moment_bytes) > 4), (q8, s.moment_coded != (True, True))):
         if narrower:  # exact forms first, then the narrower moments alone, then with the remainder master
             forms.append(moments)
             if can_rem:
