@@ -1,18 +1,40 @@
 #!/usr/bin/env bash
-# One device call (prepared, not yet run): megatron-core GPT with the TE spec at scale against its fitting TE twin,
-# `bin/bench scale --implementation megatron --te`, rows fit / exact / dpu. SIZE=8b: hidden 4096 x 40 layers
-# (twin 16 layers); SIZE=13b: hidden 5120 x 40 (twin 12). Each size about 5-7 minutes on one H200 (TE's build
-# ~100 s unless .te holds its built wheel); run one size per call. FP8 rows are not built: the engine has no
-# FP8 recipe switch yet.
-# Usage on the device, from the repo root, carrying .whl and .te:  SIZE=8b bash tools/megatron_scale_gpu.sh
+# One device call: megatron-core GPT with the TE spec at scale against its fitting TE twin,
+# `bin/bench scale --implementation megatron --te`, rows fit / exact / dpu, one size after another (SIZE, a
+# space-separated list): 8b = hidden 4096 x 40 layers (twin 16) at f=0.3, 13b = hidden 5120 x 40 (twin 12) at
+# the plan's fraction with bf16 gradient accumulation. ITERS measured iterations after WARMUP per row (default 4 after 2:
+# the bench's own 10 after 3 take a size ~5-7 minutes; 4 after 2 about 2.5-3.5). TE installs from .te (~20 s with
+# its built wheel there). Estimate on one H200 for SIZE="8b 13b": ~6-7 minutes (guard: 270 s a size).
+# Usage on the device, from the repo root, carrying .whl and .te:
+#   SIZE="8b 13b" bash tools/megatron_scale_gpu.sh [extra bin/bench scale args]
+# On CPU (the local spec at a tiny shape, no TE; checks the script): MEGATRON_SCALE_TINY=1 bash tools/megatron_scale_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
-source "$(dirname "$0")/device_env.sh" .whl
-source tools/device/te_setup.sh || exit 1
-case ${SIZE:-8b} in
-  8b) SHAPE="--hidden 4096 --layers 40 --layers-fit 16" ;;
-  13b) SHAPE="--hidden 5120 --layers 40 --layers-fit 12" ;;
-  *) echo "SIZE=${SIZE}: expected 8b or 13b"; exit 2 ;;
-esac
-timeout 520 python3 bin/bench scale --implementation megatron --te $SHAPE --json "$OUT/megatron_scale_${SIZE:-8b}.json" \
-  "$@" 2>&1 | tee "$OUT/megatron_scale_${SIZE:-8b}.log"
+ITERS=${ITERS:-4}; WARMUP=${WARMUP:-2}; GUARD=${GUARD:-270}
+if [ "${MEGATRON_SCALE_TINY:-0}" = 1 ]; then
+  OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
+  SIZE=tiny; TE=(); ITERS=2; WARMUP=1
+else
+  source "$(dirname "$0")/device_env.sh" .whl
+  source tools/device/te_setup.sh || exit 1
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  TE=(--te)
+fi
+for size in ${SIZE:-8b}; do
+  case $size in
+    8b) SHAPE=(--hidden 4096 --layers 40 --layers-fit 16) ;;
+    # 12.6 B does not fit at f=0.3: the plan's fraction, bf16 gradient accumulation (as the built-in 13 B rows)
+    13b) SHAPE=(--hidden 5120 --layers 40 --layers-fit 12 --fraction auto
+                --set optimizer.accumulate_allreduce_grads_in_fp32=false) ;;
+    tiny) SHAPE=(--hidden 32 --heads 4 --layers 2 --layers-fit 1 --seq 16 --global-batch 2 --data-bytes 100000
+                 --device cpu --fraction auto --set optimizer.accumulate_allreduce_grads_in_fp32=false) ;;
+    *) echo "SIZE=$size: expected 8b or 13b"; exit 2 ;;
+  esac
+  echo "== megatron-core GPT ${TE[*]:+(TE spec) }$size"
+  start=$SECONDS
+  timeout "$GUARD" python3 bin/bench scale --implementation megatron "${TE[@]}" "${SHAPE[@]}" --iters "$ITERS" \
+    --warmup "$WARMUP" --json "$OUT/megatron_scale_$size.json" "$@" 2>&1 | tee "$OUT/megatron_scale_$size.log" \
+    | grep -v "^  \|^FLOPs\|^hidden =\|^$\|Warning"
+  echo "$size: $((SECONDS - start)) s"
+done
+echo "command: SIZE=\"${SIZE:-8b}\" bash tools/megatron_scale_gpu.sh $*"

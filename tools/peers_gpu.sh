@@ -3,12 +3,18 @@
 # 2048, micro-batch 4, fractions 0.25/0.5/1) or `bash tools/peers_gpu.sh 8b` (40 x 4096, FRACTIONS_8B, default 0.5;
 # a peer that does not fit is a row with its error). Carry .whl (jsonschema, megatron-core) and .whl-peers
 # (deepspeed, torchao, hjson, pydantic and its needs). DeepSpeed's CPU Adam is built first, timed.
-# CPU dry run of the whole script: PEERS_TINY=1 bash tools/peers_gpu.sh 1.2b
+# CPU dry run of the whole script (the peers installed in this Python, no wheels installed):
+#   PEERS_TINY=1 bash tools/peers_gpu.sh 1.2b
 set -u
-source "$(dirname "$0")/device_env.sh" .whl
-SITE_PY=$PYTHONPATH
-source "$(dirname "$0")/device_env.sh" .whl-peers
-export PYTHONPATH=$PYTHONPATH:$SITE_PY DS_SKIP_CUDA_CHECK=1 DS_BUILD_OPS=0
+if [ -n "${PEERS_TINY:-}" ]; then  # the peers this Python has (the carried wheels are the device's: cp312)
+  OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
+else
+  source "$(dirname "$0")/device_env.sh" .whl
+  SITE_PY=$PYTHONPATH
+  source "$(dirname "$0")/device_env.sh" .whl-peers
+  export PYTHONPATH=$PYTHONPATH:$SITE_PY
+fi
+export DS_SKIP_CUDA_CHECK=1 DS_BUILD_OPS=0
 model=${1:-1.2b}
 start=$(date +%s)
 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" >"$OUT/cpu_adam_build.log" 2>&1 \

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
 NARROW=optimizer.use_precision_aware_optimizer=true,optimizer.exp_avg_dtype=bf16,optimizer.exp_avg_sq_dtype=bf16
 if [ "${PRECISION_TINY:-0}" = 1 ]; then
-  OUT=${OUT:-$(mktemp -d)}
+  OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
   SCALE=(--layers-fit 1 --layers 2 --hidden 32 --seq 16 --global-batch 2 --iters 2 --warmup 1 --data-bytes 100000
          --device cpu)
   CEILING=(model.num_layers=2 model.hidden_size=64 model.num_attention_heads=4 model.seq_length=32 train.device=cpu
