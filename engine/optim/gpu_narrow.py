@@ -2,7 +2,11 @@
 store_param_remainders): AdamW with exp_avg/exp_avg_sq held in bf16 or fp16 and/or the fp32 master held as the
 bf16 weight plus an int16 remainder (remainder.py), on whatever device the parameters live.
 
-Arithmetic: the fp32 GPU part's own (gpu_side.GpuPart), on fp32 copies of a slice of the states: torch's fused
+On CUDA with Triton the step is one pass per parameter (narrow_kernel.py: torch's fused AdamW arithmetic, found
+matching on the device at first use), reading and writing each stored byte once. Elsewhere, or where no known
+arithmetic matches, the staged step below.
+
+Staged arithmetic: the fp32 GPU part's own (gpu_side.GpuPart), on fp32 copies of a slice of the states: torch's fused
 AdamW on CUDA, its single-tensor AdamW elsewhere (op for op adam_math.adamw_torch_, the CPU side's pass). Per
 staging slice the gradient is widened and unscaled/clipped by the same two fp32 multiplies, narrow moments widened
 (exact), the remainder master joined (exact); after the step the moments are rounded to nearest even into their
@@ -14,8 +18,9 @@ BFloat16"), hence the fp32 slices.
 
 GPU bytes (`narrow_gpu_bytes`, the memory plan's figures): per parameter the moments' widths, plus the master (4 B
 for half weights, 2 B as a remainder, none for fp32 weights, which are their own masters). At the step only, the
-fp32 staging of STAGING_ELEMS elements at most (gradient, widened narrow moments, joined master): allocated at the
-step's start and returned to the caching allocator at its end, so forward and backward can reuse it.
+fp32 staging of STAGING_ELEMS elements at most (gradient, widened narrow moments, joined master) for the staged step:
+allocated at the step's start and returned to the caching allocator at its end, so forward and backward can reuse
+it; the plan counts it (the one-pass step holds none), since it cannot know the device's Triton.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
-from engine.optim import blockwise, remainder
+from engine.optim import blockwise, narrow_kernel, remainder
 from engine.optim.adam_math import Hyper
+from engine.optim.narrow_kernel import FP32_MASTER, HALF_MASTER, REMAINDER, Math
 
 STAGING_ELEMS = 1 << 24  # fp32 elements per staging buffer: 64 MiB each, ~100 slices for a 1.6 B GPU part
 _FP32 = torch.float32
@@ -47,8 +53,18 @@ def narrow_gpu_bytes(numel: int, *, half_weights: bool, moment_bytes: tuple[int,
 
 def narrow_step_bytes(*, moment_bytes: tuple[int, int], remainders: bool, half_weights: bool, grad_bytes: int) -> int:
     """Device-memory bytes one parameter's narrow-state step reads and writes (the step's time is bound by them):
-    the fused fp32 AdamW on the slice (28), the gradient widened, each narrow moment widened and rounded back,
-    and the master: joined and split again in int32 ops (52), or the half weight written from the fp32 master."""
+    the one-pass step's (narrow_kernel.one_pass_bytes), what runs on CUDA; 8-bit codes step staged."""
+    if 1 in moment_bytes:
+        return staged_step_bytes(moment_bytes=moment_bytes, remainders=remainders, half_weights=half_weights,
+                                 grad_bytes=grad_bytes)  # fmt: skip
+    master = (REMAINDER if remainders else HALF_MASTER) if half_weights else FP32_MASTER
+    return narrow_kernel.one_pass_bytes(moment_bytes=moment_bytes, master=master, grad_bytes=grad_bytes)
+
+
+def staged_step_bytes(*, moment_bytes: tuple[int, int], remainders: bool, half_weights: bool, grad_bytes: int) -> int:
+    """The staged step's bytes per parameter: the fused fp32 AdamW on the slice (28), the gradient widened, each
+    narrow moment widened and rounded back, and the master: joined and split again in int32 ops (52), or the half
+    weight written from the fp32 master."""
     moved = 28 + grad_bytes + 4
     moved += sum(2 * b + 8 for b in moment_bytes if b != 4)
     if half_weights:
@@ -60,7 +76,10 @@ class NarrowGpuPart:
     """AdamW over the GPU-stepped parameters with narrow states; its states are its own tensors (flat, by name)."""
 
     def __init__(self, entries: list[tuple[str, torch.nn.Parameter, int]], *,
-                 moment_dtypes: tuple[torch.dtype, torch.dtype], remainders: bool) -> None:  # fmt: skip
+                 moment_dtypes: tuple[torch.dtype, torch.dtype], remainders: bool,
+                 math: Math | None | str = "auto") -> None:  # fmt: skip
+        """math: the one-pass kernel's arithmetic; "auto": the one matching torch's fused AdamW on the parameters'
+        device (narrow_kernel.device_math), None: the staged step."""
         self.params = {n: p for n, p, _ in entries}
         self.group_of = {n: gi for n, _, gi in entries}
         self.moment_dtypes = moment_dtypes
@@ -87,6 +106,9 @@ class NarrowGpuPart:
                        if c else {} for c in self.coded]  # fmt: skip
         self.steps = dict.fromkeys(self.params, 0)
         self.staging_bytes = 0  # of the last step's staging buffers
+        if math == "auto":
+            math = narrow_kernel.device_math(next(iter(self.params.values())).device) if self.params else None
+        self.math: Math | None = None if any(self.coded) else math  # 8-bit codes: the staged step
 
     @property
     def sets_weights(self) -> frozenset[str]:
@@ -106,6 +128,9 @@ class NarrowGpuPart:
         """grads: name -> final gradient (the parameter's shape) for the parameters that have one."""
         names = [n for n in grads if n in self.params]
         if not names:
+            return
+        if self.math is not None:
+            self._step_one_pass(names, grads, hypers, (inv_scale, coef))
             return
         dev = self.params[names[0]].device
         total = sum(self.params[n].numel() for n in names)
@@ -140,6 +165,23 @@ class NarrowGpuPart:
             self._step_slice(pieces, grads, staging, hypers[self.group_of[pieces[0][0]]], (inv_scale, coef))
         for n in names:
             self.steps[n] += 1
+
+    def _step_one_pass(self, names: list[str], grads: dict[str, torch.Tensor], hypers: list[Hyper],
+                       factors: tuple[float, float]) -> None:  # fmt: skip
+        """Each parameter in one kernel pass (its states read and written once); scalars per group and count."""
+        scalars: dict[tuple[int, int], torch.Tensor] = {}
+        self.staging_bytes = 0
+        for n in names:
+            gi, count = self.group_of[n], self.steps[n] + 1
+            w = self.params[n].detach().view(-1)
+            if (gi, count) not in scalars:
+                scalars[gi, count] = narrow_kernel.scalars(hypers[gi], count, self.math, w.device)
+            master = self.master.get(n)
+            narrow_kernel.launch(weight=w, master=None if master is None or master.dtype == w.dtype else master,
+                                 rem=self.rem.get(n), grad=grads[n].reshape(-1), m=self.m[n], v=self.v[n],
+                                 scalars_=scalars[gi, count], decay=hypers[gi].weight_decay != 0,
+                                 inv_scale=factors[0], coef=factors[1], math=self.math)  # fmt: skip
+            self.steps[n] = count
 
     def _step_slice(self, pieces: list[tuple[str, int, int, int]], given: dict[str, torch.Tensor],
                     staging: dict[str, torch.Tensor], h: Hyper, factors: tuple[float, float]) -> None:  # fmt: skip
