@@ -5,7 +5,8 @@ plain torch optimizer); bf16/fp16 parameters get an fp32 master (Megatron's para
 that the optimizer steps, after which the half weights are refreshed from it in one foreach copy.
 On CUDA the torch optimizer is the fused AdamW; on CPU the default one, so CPU tests can compare bit for bit.
 With narrow states (the precision-aware optimizer's exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders)
-`gpu_part` builds gpu_narrow.NarrowGpuPart instead: the same arithmetic on fp32 slices, states stored narrow.
+`gpu_part` builds gpu_narrow.NarrowGpuPart instead: the same arithmetic, states stored narrow (one Triton pass on
+CUDA, narrow_kernel.py; fp32 slices elsewhere).
 `gpu_side_bytes` states what either holds; the memory plan calls it.
 """
 
