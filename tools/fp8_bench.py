@@ -47,9 +47,15 @@ def config(shape: Shape, row: str, a: argparse.Namespace) -> dict:
     return cfg
 
 
+def held_gib() -> float:
+    """GPU memory allocated now (GiB): before a row, what earlier rows left behind (counted in this row's peak)."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
 def run(shape: Shape, row: str, a: argparse.Namespace) -> dict:
+    held = held_gib()
     try:
-        eng, _, _ = engine.initialize(config=config(shape, row, a))
+        eng = engine.initialize(config=config(shape, row, a))[0]
     except (ConfigError, SystemExit) as e:
         return {"row": row, "refused": str(e).strip().splitlines()[-1]}
     cuda = eng.device.type == "cuda"
@@ -63,13 +69,15 @@ def run(shape: Shape, row: str, a: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     s = (time.perf_counter() - t0) / a.iters
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    if hasattr(eng.optimizer, "close"):
+        eng.optimizer.close()  # its worker threads and host buffers go now, not at some later collection
     del eng
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     tokens = a.global_batch * shape.seq
     return {"row": row, "s": s, "tokens_s": tokens / s, "tflops": shape.flops_per_token()["total"] * tokens / s / 1e12,
-            "peak": peak, "losses": losses}  # fmt: skip
+            "peak": peak, "held": held, "left": held_gib(), "losses": losses}  # fmt: skip
 
 
 def main() -> None:
@@ -97,18 +105,21 @@ def main() -> None:
         f"activations of {shape.layers - 1} layers + hybrid optimizer f=0.5; {a.warmup} + {a.iters} iterations"
     )
     results = [run(shape, row, a) for row in a.rows.split(",")]
-    print(f"\n{'row':<14} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'loss first':>10} "
-          f"{'loss last':>9}")  # fmt: skip
+    print(f"\n{'row':<14} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'held GiB':>9} "
+          f"{'left GiB':>9} {'loss first':>10} {'loss last':>9}")  # fmt: skip
     for r in results:
         if "refused" in r:
             print(f"{r['row']:<14} refused: {r['refused']}")
             continue
         print(f"{r['row']:<14} {r['s']:7.3f} {r['tokens_s']:9.0f} {r['tflops']:8.1f} {r['peak']:9.1f} "
-              f"{r['losses'][0]:10.4f} {r['losses'][-1]:9.4f}")  # fmt: skip
+              f"{r['held']:9.2f} {r['left']:9.2f} {r['losses'][0]:10.4f} {r['losses'][-1]:9.4f}")  # fmt: skip
     for r in results:
         if "losses" in r:
             print(f"losses {r['row']}: " + " ".join(f"{x:.4f}" for x in r["losses"]))
-    print("TFLOP/s: model FLOPs per token 6*N + 12*L*h*s (engine/bench/scale.py FORMULA)")
+    print(
+        "TFLOP/s: model FLOPs per token 6*N + 12*L*h*s (engine/bench/scale.py FORMULA); held/left GiB: GPU memory "
+        "allocated before the row / after it was dropped (non-zero: an earlier row's memory in this row's peak)"
+    )
     print("command: python3 tools/fp8_bench.py " + " ".join(sys.argv[1:]))
 
 

@@ -33,8 +33,10 @@ read model.state_dict() after optimizer.state_dict() or synchronize().
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -107,6 +109,13 @@ def _say_dtype_changes(saved: dict, o: HybridOptions) -> None:
             else:
                 how = "widened (exact)" if now.itemsize > was.itemsize else "narrowed (rounded to nearest)"
             log.warning("optimizer state %s saved as %s is %s to %s on load", key, was, how, now)
+
+
+def _wait_unit(optimizer: weakref.ref, unit: str, _module: torch.nn.Module, _args: tuple) -> None:
+    """A CPU-stepped unit's forward pre-hook, holding its optimizer weakly."""
+    opt = optimizer()
+    if opt is not None:
+        opt._before_forward(unit)
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -202,18 +211,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return self.accumulate_grads_in_fp32 and p.dtype in _HALF
 
     def _hook(self, name: str):
+        # weakly: a parameter holds its hooks in autograd's C++ side, where the garbage collector cannot see the
+        # cycle parameter -> hook -> optimizer -> parameter; a strong reference kept every dropped engine's
+        # model and optimizer states (GPU memory) alive for the rest of the process
+        this = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if self._fp32_acc(p) and (not self._grad_final or name in self._main_grads):
-                mg = self._main_grads.get(name)
-                if mg is None:
-                    self._main_grads[name] = p.grad.float()
-                else:
-                    mg.add_(p.grad)
-                p.grad = None  # the fp32 sum holds it; no half-precision copy kept alongside
-            if self._grad_final and self.overlap and name in self.cpu_names:
-                self._ship(name)
+            opt = this()
+            if opt is not None:
+                opt._grad_ready(name, p)
 
         return hook
+
+    def _grad_ready(self, name: str, p: torch.Tensor) -> None:
+        if self._fp32_acc(p) and (not self._grad_final or name in self._main_grads):
+            mg = self._main_grads.get(name)
+            if mg is None:
+                self._main_grads[name] = p.grad.float()
+            else:
+                mg.add_(p.grad)
+            p.grad = None  # the fp32 sum holds it; no half-precision copy kept alongside
+        if self._grad_final and self.overlap and name in self.cpu_names:
+            self._ship(name)
 
     def _final_grad(self, name: str) -> torch.Tensor | None:
         g = self._main_grads.get(name)
@@ -328,9 +347,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"attach_model: the model has no parameters named {missing[:3]}; pass "
                              "model.named_parameters() of this model to the optimizer")  # fmt: skip
+        this = weakref.ref(self)  # weakly, as the gradient hooks
         for unit in self.cpu.units:
             module = model.get_submodule(unit) if unit else model
-            self._pre_hooks.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u)))
+            self._pre_hooks.append(module.register_forward_pre_hook(functools.partial(_wait_unit, this, unit)))
         self._attached = True
 
     def _close_sides(self) -> None:
@@ -339,9 +359,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.gpu, self.cpu = None, None
 
     def close(self) -> None:
-        """Finish pending work, remove the hooks on the model and stop the worker threads.
-
-        The hooks hold this optimizer, so without close() it lives as long as the model does."""
+        """Finish pending work, remove the hooks on the model and stop the worker threads (the hooks hold this
+        optimizer weakly: dropped without close(), it is freed with its engine, its threads ending then)."""
         self.synchronize()
         for h in self._hook_handles + self._pre_hooks:
             h.remove()
