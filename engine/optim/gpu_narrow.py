@@ -177,10 +177,11 @@ class NarrowGpuPart:
             if (gi, count) not in scalars:
                 scalars[gi, count] = narrow_kernel.scalars(hypers[gi], count, self.math, w.device)
             master = self.master.get(n)
-            narrow_kernel.launch(weight=w, master=None if master is None or master.dtype == w.dtype else master,
-                                 rem=self.rem.get(n), grad=grads[n].reshape(-1), m=self.m[n], v=self.v[n],
-                                 scalars_=scalars[gi, count], decay=hypers[gi].weight_decay != 0,
-                                 inv_scale=factors[0], coef=factors[1], math=self.math)  # fmt: skip
+            if w.numel():  # an empty grid does not launch
+                narrow_kernel.launch(weight=w, master=None if master is None or master.dtype == w.dtype else master,
+                                     rem=self.rem.get(n), grad=grads[n].reshape(-1), m=self.m[n], v=self.v[n],
+                                     scalars_=scalars[gi, count], decay=hypers[gi].weight_decay != 0,
+                                     inv_scale=factors[0], coef=factors[1], math=self.math)  # fmt: skip
             self.steps[n] = count
 
     def _step_slice(self, pieces: list[tuple[str, int, int, int]], given: dict[str, torch.Tensor],
