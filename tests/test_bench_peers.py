@@ -83,3 +83,27 @@ def test_runner_reports_an_error_as_its_row(capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith(runner.MARK) and json.loads(line[len(runner.MARK) :])["error"].startswith("KeyError")
     assert sys.modules["engine.bench.peers.runner"] is runner
+
+
+def test_the_json_holds_each_finished_row_before_the_next(tmp_path, monkeypatch, capsys):
+    """A bench stopped from outside (a device call's time limit) leaves the rows it finished, marked partial."""
+    out = tmp_path / "peers.json"
+    seen = []
+
+    def fake_row(a, spec):
+        if seen:  # the bench is stopped while the second row runs: the first must already be on disk
+            raise KeyboardInterrupt
+        seen.append(spec["peer"])
+        measured = {"iter_ms": 12.5, "setup_s": 1.0, "peak_gpu_bytes": 3 << 30, "peak_rss_bytes": 1 << 30}
+        return {"peer": spec["peer"], "fraction": spec["fraction"], "semantics": "exact", **measured,
+                "losses": [5.5, 5.25]}  # fmt: skip
+
+    monkeypatch.setattr(peers, "run_row", fake_row)
+    with pytest.raises(KeyboardInterrupt):
+        peers.main([*TINY, "--peers", "plain,ours", "--json", str(out)])
+    saved = json.load(open(out))
+    assert saved["partial"] is True and [r["peer"] for r in saved["rows"]] == ["plain"]
+    assert saved["rows"][0]["loss_delta"] == 0.0
+    assert "plain f=0: 12.5 ms/iter, setup 1.0 s, peak GPU 3.0 GiB, host RSS 1.0 GiB, last loss 5.2500" in (
+        capsys.readouterr().out
+    )

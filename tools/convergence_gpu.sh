@@ -14,6 +14,12 @@
 # Estimate on one H200: ~2-2.5 min per combination at 1000 iterations (~120 ms/iter), so the default three in one
 # call of ~7-8 min (each run stopped at RUN_TIMEOUT=170 s); the rest in a second call: COMBOS=fp32,rem,fp16
 # (fp32 again, as the reference of that call).
+# PARALLEL=1: every combination's run at once, side by side on the GPU (each its own process, CPU threads split
+# between them; the losses are what they are alone, ms/iter is then not a speed figure), each stopped at
+# RUN_TIMEOUT (default 500 s there). FRACTION (0.25) and MICRO_BATCH (4, = global batch; x seq 1024 tokens per
+# step) make it cheaper: FRACTION=0.1 MICRO_BATCH=2 PARALLEL=1 COMBOS=fp32,bf16,bf16+rem,int8 is ~4 runs of ~0.1
+# s/iter of GPU work each, sharing it: estimate ~5-6 min for all four (the narrow states act on both parts of the
+# split, so the fraction moves where they are stepped, not what they compute).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
 #   tools/convergence_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (the whole script at a tiny shape, 30 iterations): CONVERGENCE_TINY=1 tools/convergence_gpu.sh
@@ -21,8 +27,9 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 WHL=${1:-.whl}; shift || true
 COMBOS=${COMBOS:-fp32,bf16,bf16+rem}
+MB=${MICRO_BATCH:-4}
 SHAPE=(model.num_layers=24 model.hidden_size=2048 model.num_attention_heads=16 model.seq_length=1024
-       model.vocab_size=256 train.micro_batch_size=4 train.global_batch_size=4 train.device=cuda)
+       model.vocab_size=256 "train.micro_batch_size=$MB" "train.global_batch_size=$MB" train.device=cuda)
 if [ "${CONVERGENCE_TINY:-0}" = 1 ]; then
   OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
   ITERS=${ITERS:-30}; RUN_TIMEOUT=${RUN_TIMEOUT:-300}; WARMUP=3
@@ -32,7 +39,7 @@ if [ "${CONVERGENCE_TINY:-0}" = 1 ]; then
 else
   source "$(dirname "$0")/device_env.sh" "$WHL"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  ITERS=${ITERS:-1000}; RUN_TIMEOUT=${RUN_TIMEOUT:-170}; WARMUP=100
+  ITERS=${ITERS:-1000}; RUN_TIMEOUT=${RUN_TIMEOUT:-$([ "${PARALLEL:-0}" = 1 ] && echo 500 || echo 170)}; WARMUP=100
   echo "== the remainder master's GPU test (bit-equal to the fp32 master through the copy streams)"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_remainder.py -m gpu 2>&1 | tail -3
 fi
@@ -40,11 +47,15 @@ COMMON=("${SHAPE[@]}" train.precision=bf16 train.params_dtype=half train.seed=12
         data.source=stdlib optimizer.lr=3e-4 optimizer.min_lr=3e-5 "optimizer.lr_warmup_iters=$WARMUP"
         "optimizer.lr_decay_iters=$ITERS" optimizer.lr_decay_style=cosine optimizer.clip_grad=1.0
         optimizer.weight_decay=0.1 optimizer.adam_beta2=0.95 optimizer.optimizer_cpu_offload=true
-        optimizer.use_distributed_optimizer=true optimizer.optimizer_offload_fraction=0.25
+        optimizer.use_distributed_optimizer=true "optimizer.optimizer_offload_fraction=${FRACTION:-0.25}"
         optimizer.overlap_cpu_optimizer_d2h_h2d=true model.cpu_offloading=false logging.progress_bar=false)
 PA=optimizer.use_precision_aware_optimizer=true
 files=()
-for combo in ${COMBOS//,/ }; do
+combos=(${COMBOS//,/ })
+if [ "${PARALLEL:-0}" = 1 ]; then  # the CPU threads split between the runs side by side
+  COMMON+=("optimizer.cpu_optimizer_threads=$(( ($(nproc) - 1) / ${#combos[@]} > 0 ? ($(nproc) - 1) / ${#combos[@]} : 1 ))")
+fi
+for combo in "${combos[@]}"; do
   case $combo in
     fp32) extra=() ;;
     bf16) extra=($PA optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16) ;;
@@ -59,16 +70,20 @@ for combo in ${COMBOS//,/ }; do
   esac
   name=${combo//+/-}
   echo "== $combo: ${extra[*]:-fp32 states}"
-  start=$SECONDS
-  timeout "$RUN_TIMEOUT" python3 bin/train "${COMMON[@]}" "${extra[@]}" "logging.metrics_file=$OUT/$name.jsonl" \
-    > "$OUT/$name.log" 2>&1
-  echo "   exit $?, $((SECONDS - start)) s; last line: $(tail -1 "$OUT/$name.log")"
+  one() {
+    local start=$SECONDS
+    timeout "$RUN_TIMEOUT" python3 bin/train "${COMMON[@]}" "${extra[@]}" "logging.metrics_file=$OUT/$1.jsonl" \
+      > "$OUT/$1.log" 2>&1
+    echo "   $1: exit $?, $((SECONDS - start)) s; last line: $(tail -1 "$OUT/$1.log")"
+  }
+  if [ "${PARALLEL:-0}" = 1 ]; then one "$name" & else one "$name"; fi
   files+=("$OUT/$name.jsonl")
 done
+wait
 python3 bin/plot "${files[@]}" -o "$OUT/convergence.png" \
   || echo "(no plot here: bin/plot needs matplotlib; the metrics files are in \$OUT: bin/plot ${files[*]##*/})"
-python3 - "${files[@]}" <<'PY'
-import json, statistics, sys
+PARALLEL=${PARALLEL:-0} python3 - "${files[@]}" <<'PY'
+import json, os, statistics, sys
 from pathlib import Path
 rows = {}
 for path in sys.argv[1:]:
@@ -84,8 +99,9 @@ n = min((len(recs) for recs in rows.values() if recs), default=0)
 k = min(50, max(1, n // 5))
 ref = (rows.get("fp32") or [])[:n]
 ref_final = statistics.fmean(r["loss"] for r in ref[-k:]) if ref else None
+side = " (runs side by side)" if os.environ.get("PARALLEL") == "1" else ""
 print(f"\n| states | iterations run | loss first -> final (mean of iterations {n - k + 1}..{n}) | vs fp32 states "
-      "| median ms/iter |")
+      f"| median ms/iter{side} |")
 print("|---|---|---|---|---|")
 for name, recs in rows.items():
     if not recs:
@@ -97,4 +113,4 @@ for name, recs in rows.items():
     ms_s = f"{statistics.median(ms[len(ms) // 4:]):.0f}" if ms else "-"
     print(f"| {name} | {len(recs)} | {recs[0]['loss']:.4f} -> {final:.4f} | {vs} | {ms_s} |")
 PY
-echo "command: COMBOS=$COMBOS tools/convergence_gpu.sh $WHL"
+echo "command: COMBOS=$COMBOS PARALLEL=${PARALLEL:-0} FRACTION=${FRACTION:-0.25} MICRO_BATCH=$MB tools/convergence_gpu.sh $WHL"

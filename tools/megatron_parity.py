@@ -4,9 +4,11 @@ megatron's own HybridDeviceOptimizer at 0.5, with Transformer Engine layers and 
 against the offload fraction (the same runs). The warm-up is checked too: the baseline's largest rise above its
 running minimum is printed, so a criterion measured across a divergence shows as one.
 
-    python3 tools/megatron_parity.py --out DIR [--te both|on|off] [--iters 200] [--tiny]
+    python3 tools/megatron_parity.py --out DIR [--te both|on|off] [--iters 200] [--jobs N] [--tiny]
 
---tiny: CPU, fp32, a 2-layer 32-wide model, 4 iterations, no TE, no megatron HDO (a check of this script).
+--jobs N: N cells' runs side by side (each its own process: the losses and each process's peak memory are what
+they are alone; ms/iter is then not a speed figure). --tiny: CPU, fp32, a 2-layer 32-wide model, 4 iterations,
+no TE, no megatron HDO (a check of this script).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SHAPE = ["model.implementation=megatron", "model.num_layers=4", "model.hidden_size=512",
@@ -67,17 +70,21 @@ def rise(losses: list[float]) -> float:
     return worst
 
 
-def table(te: bool, iters: int, tiny: bool, out: Path) -> list[str]:
+def table(te: bool, iters: int, tiny: bool, out: Path, jobs: int = 1) -> list[str]:
     layers = 2 if tiny else 4
     warmup = f"optimizer.lr_warmup_iters={max(1, iters // 4)}"
     shape = [*(TINY if tiny else SHAPE), f"train.train_iters={iters}", warmup, f"model.use_te={str(te).lower()}"]
     tag = "te" if te else "local"
-    runs: dict[str, list[dict]] = {}
+    todo = cells(layers, tiny)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each run is its own process
+        done = pool.map(lambda cell: run(f"{tag}-{cell[0]}", [*shape, *cell[2]], out), todo)
+        runs: dict[str, list[dict]] = {name: rows for (name, _, _), rows in zip(todo, done, strict=True)}
+    ms_head = "ms/iter" if jobs <= 1 else f"ms/iter ({jobs} runs side by side)"
     lines = [f"### megatron-core GPT, {'TE' if te else 'local'} spec, {iters} iterations",
-             "| cell | loss first -> last | max abs loss delta | verdict | ms/iter | peak GPU GiB | host GiB |",
+             f"| cell | loss first -> last | max abs loss delta | verdict | {ms_head} | peak GPU GiB | host GiB |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for name, base, extra in cells(layers, tiny):
-        runs[name] = rows = run(f"{tag}-{name}", [*shape, *extra], out)
+    for name, base, _ in todo:
+        rows = runs[name]
         ref = runs.get(base) or []
         if not rows or not ref:
             lines.append(f"| {name} | failed (see {tag}-{name}.log) | | | | | |")
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/megatron_parity")
     ap.add_argument("--te", choices=["both", "on", "off"], default="both")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--jobs", type=int, default=1, help="cells run side by side (separate processes)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny shape, no TE (checks this script)")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"both": [False, True], "on": [True], "off": [False]}[a.te]
     lines = [f"command: python3 tools/megatron_parity.py {' '.join(argv if argv is not None else sys.argv[1:])}"]
     for te in modes if not a.tiny else [False]:
-        lines += table(te, a.iters, a.tiny, out)
+        lines += table(te, a.iters, a.tiny, out, a.jobs)
         lines.append("")
         print("\n".join(lines), flush=True)
         lines = []

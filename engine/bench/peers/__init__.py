@@ -139,17 +139,33 @@ def main(argv: list[str]) -> int:
     for peer, f in plan_rows(a):
         r = run_row(a, _spec(a, peer, f))
         rows.append(r)
-        done = f"not run: {r['error']}" if "error" in r else f"{r['iter_ms']:.1f} ms/iter, setup {r['setup_s']:.1f} s"
-        print(f"  {peer} f={f:g}: {done}", flush=True)
-    compare(rows)
+        compare(rows)
+        write_json(a, argv, rows, partial=True)  # a run stopped from outside keeps the rows it finished
+        print(f"  {peer} f={f:g}: {progress(r)}", flush=True)
     device = next((r["device"] for r in rows if "device" in r), "-")
     print(f"\ndevice: {device}; TFLOP/s counts 6*N + 12*L*h*s per token (bin/bench scale's formula)\n")
     print(table(rows, a.warmup + a.iters))
     print(f"\ncommand: {COMMAND} {' '.join(argv)}".rstrip())
+    write_json(a, argv, rows, partial=False)
+    return 0
+
+
+def progress(r: dict) -> str:
+    """A finished row in one line: enough of it to read where the table is never printed."""
+    if "error" in r:
+        return f"not run: {r['error']}"
+    peak = f", peak GPU {r['peak_gpu_bytes'] / 2**30:.1f} GiB" if r.get("peak_gpu_bytes") else ""
+    delta = f" ({r['loss_delta']:+.4f} vs plain)" if "loss_delta" in r else ""
+    return (
+        f"{r['iter_ms']:.1f} ms/iter, setup {r['setup_s']:.1f} s{peak}, host RSS "
+        f"{r['peak_rss_bytes'] / 2**30:.1f} GiB, last loss {r['losses'][-1]:.4f}{delta}"
+    )
+
+
+def write_json(a: argparse.Namespace, argv: list[str], rows: list[dict], partial: bool) -> None:
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"argv": argv, "rows": rows}, fh, indent=1)
-    return 0
+            json.dump({"argv": argv, "rows": rows, **({"partial": True} if partial else {})}, fh, indent=1)
 
 
 if __name__ == "__main__":
