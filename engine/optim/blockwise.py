@@ -26,6 +26,11 @@ from collections.abc import Iterable
 import torch
 
 BLOCK = 256  # elements per scale: torchao's and bitsandbytes' block size for their 8-bit optimizers
+# Device bytes per element one coded moment's step moves in these torch ops (the GPU-stepped part's form; the C pass
+# reads and writes the code and its share of the maximum only): dequantise into fp32 staging 37 (maxima repeated
+# 4, codes to int32 1 + 4, the map gathered 4 + 4, times the maxima 12, copied into staging 8), requantise 51 (abs
+# 8, padded 8, block maxima 4, repeated 4, divided 12, searched into int32 8, narrowed to uint8 5, stored 2).
+TORCH_STEP_BYTES = 88
 SCALE_BYTES = 4  # one fp32 absmax per block
 CODES = torch.uint8  # the dtype that marks this form where a moment's dtype is asked (options.STATE_DTYPE)
 NAME = "int8_blockwise"  # the config's value
@@ -120,7 +125,7 @@ def tables() -> tuple[torch.Tensor, ...]:
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values of codes (1-D, one parameter's slice from a block boundary) with their blocks' absmax."""
     scale = absmax.repeat_interleave(BLOCK)[: codes.numel()]
-    return qmap(signed, codes.device)[codes.long()] * scale
+    return qmap(signed, codes.device)[codes.int()] * scale
 
 
 def quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +134,7 @@ def quantise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]
     pad = blocks(n) * BLOCK - n
     absmax = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, BLOCK).amax(1)
     div = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).repeat_interleave(BLOCK)[:n]
-    codes = torch.bucketize(x / div, _table(signed, True, x.device)[:-1], right=False)
+    codes = torch.bucketize(x / div, _table(signed, True, x.device)[:-1], out_int32=True, right=False)
     return codes.to(CODES), absmax
 
 

@@ -63,10 +63,11 @@ def narrow_step_bytes(*, moment_bytes: tuple[int, int], remainders: bool, half_w
 
 def staged_step_bytes(*, moment_bytes: tuple[int, int], remainders: bool, half_weights: bool, grad_bytes: int) -> int:
     """The staged step's bytes per parameter: the fused fp32 AdamW on the slice (28), the gradient widened, each
-    narrow moment widened and rounded back, and the master: joined and split again in int32 ops (52), or the half
-    weight written from the fp32 master."""
+    narrow moment widened and rounded back (a block-wise 8-bit one, 1 B: dequantised and requantised,
+    blockwise.TORCH_STEP_BYTES), and the master: joined and split again in int32 ops (52), or the half weight
+    written from the fp32 master."""
     moved = 28 + grad_bytes + 4
-    moved += sum(2 * b + 8 for b in moment_bytes if b != 4)
+    moved += sum(blockwise.TORCH_STEP_BYTES if b == 1 else 2 * b + 8 for b in moment_bytes if b != 4)
     if half_weights:
         moved += 52 if remainders else 6
     return moved
