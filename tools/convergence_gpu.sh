@@ -17,9 +17,11 @@
 # PARALLEL=1: every combination's run at once, side by side on the GPU (each its own process, CPU threads split
 # between them; the losses are what they are alone, ms/iter is then not a speed figure), each stopped at
 # RUN_TIMEOUT (default 500 s there). FRACTION (0.25) and MICRO_BATCH (4, = global batch; x seq 1024 tokens per
-# step) make it cheaper: FRACTION=0.1 MICRO_BATCH=2 PARALLEL=1 COMBOS=fp32,bf16,bf16+rem,int8 is ~4 runs of ~0.1
-# s/iter of GPU work each, sharing it: estimate ~5-6 min for all four (the narrow states act on both parts of the
-# split, so the fraction moves where they are stepped, not what they compute).
+# step) make it cheaper: FRACTION=0.05 MICRO_BATCH=2 PARALLEL=1 COMBOS=fp32,bf16,bf16+rem,int8 is 4 runs of
+# ~0.05-0.13 s/iter of GPU work each (int8's GPU part the most: torch ops), sharing it, plus int8's CPU part on 3
+# threads: estimate ~5-6 min for all four (the narrow states act on both parts of the split, so the fraction
+# moves where they are stepped, not what they compute). Each run is compared with fp32 states at the iterations
+# both reached: a run its guard stops does not cut the others short.
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
 #   tools/convergence_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (the whole script at a tiny shape, 30 iterations): CONVERGENCE_TINY=1 tools/convergence_gpu.sh
@@ -94,23 +96,25 @@ for path in sys.argv[1:]:
             if r.get("loss") is not None and "iteration" in r:
                 recs.append(r)
     rows[Path(path).stem] = recs
-# compared at the iteration every run reached (a run stopped by its guard is compared where it stopped)
-n = min((len(recs) for recs in rows.values() if recs), default=0)
-k = min(50, max(1, n // 5))
-ref = (rows.get("fp32") or [])[:n]
-ref_final = statistics.fmean(r["loss"] for r in ref[-k:]) if ref else None
+# each run against fp32 states at the iterations both reached (a run stopped by its guard is compared where it
+# stopped, and does not cut the others' comparison short)
+ref = rows.get("fp32") or []
 side = " (runs side by side)" if os.environ.get("PARALLEL") == "1" else ""
-print(f"\n| states | iterations run | loss first -> final (mean of iterations {n - k + 1}..{n}) | vs fp32 states "
-      f"| median ms/iter{side} |")
+print(f"\n| states | iterations run | loss first -> final (mean of the last min(50, n/5) of n compared) | vs fp32 "
+      f"states at the same iterations | median ms/iter{side} |")
 print("|---|---|---|---|---|")
+mean = lambda recs: statistics.fmean(r["loss"] for r in recs)  # noqa: E731
 for name, recs in rows.items():
     if not recs:
         print(f"| {name} | 0 | (no records: see {name}.log) | - | - |")
         continue
-    final = statistics.fmean(r["loss"] for r in recs[:n][-k:])
-    vs = f"{final / ref_final - 1:+.2%}" if ref_final and name != "fp32" else "-"
+    n = min(len(recs), len(ref)) if ref and name != "fp32" else len(recs)
+    k = min(50, max(1, n // 5))
+    final = mean(recs[:n][-k:])
+    vs = f"{final / mean(ref[:n][-k:]) - 1:+.2%} (n={n})" if ref and name != "fp32" else "-"
     ms = [r["iteration_ms"] for r in recs if "iteration_ms" in r]
     ms_s = f"{statistics.median(ms[len(ms) // 4:]):.0f}" if ms else "-"
-    print(f"| {name} | {len(recs)} | {recs[0]['loss']:.4f} -> {final:.4f} | {vs} | {ms_s} |")
+    print(f"| {name} | {len(recs)} | {recs[0]['loss']:.4f} -> {final:.4f} (iterations {n - k + 1}..{n}) | {vs} "
+          f"| {ms_s} |")
 PY
 echo "command: COMBOS=$COMBOS PARALLEL=${PARALLEL:-0} FRACTION=${FRACTION:-0.25} MICRO_BATCH=$MB tools/convergence_gpu.sh $WHL"
