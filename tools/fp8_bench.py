@@ -69,6 +69,8 @@ def run(shape: Shape, row: str, a: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     s = (time.perf_counter() - t0) / a.iters
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    session = getattr(eng.offloader, "session", None)  # the most one layer's forward copied to the host
+    moved = max(session.peak_call_bytes, default=0) / 2**20 if session is not None else float("nan")
     if hasattr(eng.optimizer, "close"):
         eng.optimizer.close()  # its worker threads and host buffers go now, not at some later collection
     del eng
@@ -77,7 +79,7 @@ def run(shape: Shape, row: str, a: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     tokens = a.global_batch * shape.seq
     return {"row": row, "s": s, "tokens_s": tokens / s, "tflops": shape.flops_per_token()["total"] * tokens / s / 1e12,
-            "peak": peak, "held": held, "left": held_gib(), "losses": losses}  # fmt: skip
+            "peak": peak, "held": held, "left": held_gib(), "moved": moved, "losses": losses}  # fmt: skip
 
 
 def main() -> None:
@@ -104,21 +106,25 @@ def main() -> None:
         f"params; global batch {a.global_batch} (micro {a.micro_batch}); FP8 {a.format}/{a.recipe}; offload = "
         f"activations of {shape.layers - 1} layers + hybrid optimizer f=0.5; {a.warmup} + {a.iters} iterations"
     )
-    results = [run(shape, row, a) for row in a.rows.split(",")]
     print(f"\n{'row':<14} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'held GiB':>9} "
-          f"{'left GiB':>9} {'loss first':>10} {'loss last':>9}")  # fmt: skip
-    for r in results:
+          f"{'left GiB':>9} {'moved MiB':>9} {'loss first':>10} {'loss last':>9}")  # fmt: skip
+    results = []
+    for row in a.rows.split(","):  # each line as its row ends: a run cut short still shows the rows done
+        r = run(shape, row, a)
+        results.append(r)
         if "refused" in r:
             print(f"{r['row']:<14} refused: {r['refused']}")
             continue
         print(f"{r['row']:<14} {r['s']:7.3f} {r['tokens_s']:9.0f} {r['tflops']:8.1f} {r['peak']:9.1f} "
-              f"{r['held']:9.2f} {r['left']:9.2f} {r['losses'][0]:10.4f} {r['losses'][-1]:9.4f}")  # fmt: skip
+              f"{r['held']:9.2f} {r['left']:9.2f} {r['moved']:9.1f} {r['losses'][0]:10.4f} "
+              f"{r['losses'][-1]:9.4f}")  # fmt: skip
     for r in results:
         if "losses" in r:
             print(f"losses {r['row']}: " + " ".join(f"{x:.4f}" for x in r["losses"]))
     print(
         "TFLOP/s: model FLOPs per token 6*N + 12*L*h*s (engine/bench/scale.py FORMULA); held/left GiB: GPU memory "
-        "allocated before the row / after it was dropped (non-zero: an earlier row's memory in this row's peak)"
+        "allocated before the row / after it was dropped (non-zero: an earlier row's memory in this row's peak); "
+        "moved MiB: the most one layer's forward of one micro-batch copied to the host (activation offload)"
     )
     print("command: python3 tools/fp8_bench.py " + " ".join(sys.argv[1:]))
 
