@@ -78,7 +78,7 @@ class Engine:
         self.skips = SkippedSteps(config)  # non-finite steps: counted; too many in a row end the run
         self._loss_sum: torch.Tensor | None = None  # this global batch's micro-batch losses, for the finite check
         self.last_step_delayed = False  # optimizer.delayed_param_update: this step's CPU-side update lands late
-        self._autocast = forward_context(device, t)  # half autocast, and TE's FP8 under train.fp8
+        self._autocast = forward_context(device, t, module)  # half autocast, and TE's FP8 under train.fp8
         self.planned: tuple[Config, Any] | None = None  # (resolved config, plan) of the pre-flight, for OOM errors
         if pending is None:
             self._attach(first_batch.Built(config, optimizer, lr_scheduler, offloader))
@@ -136,7 +136,7 @@ class Engine:
         dist.set_grad_sync(model, self.micro_step + 1 >= self.micro_batches_per_step)  # reduce on the last only
         self._readable.inside_engine = True
         try:
-            with self._autocast():
+            with self._autocast(first=self.micro_step == 0):  # TE casts its FP8 weights once per global batch
                 return self._batch_loss(model, batch, self.device)
         except torch.OutOfMemoryError as e:
             raise self._oom(e, "forward") from e

@@ -86,10 +86,22 @@ def fp8_capability_problem(recipe_name: str, capability: tuple[int, int]) -> str
             f"{fix}")  # fmt: skip
 
 
+FP8_WEIGHT_COPY_BYTES = 2  # per layer weight element: its FP8 copy and, on Hopper, the copy's transpose
+
+
+def fp8_weight_cache_bytes(layer_weight_elements: int) -> int:
+    """GPU bytes TE holds across micro-batches for the FP8 weight cache the engine turns on (`first_microbatch`):
+    every TE layer weight's FP8 copy with its transpose (Hopper's FP8 GEMMs take only the TN layout, so backward
+    needs the transpose; MXFP8 keeps two scalings instead: also 2 B). Without the cache TE casts them again in
+    each micro-batch's forward and saves the same bytes for backward."""
+    return FP8_WEIGHT_COPY_BYTES * layer_weight_elements
+
+
 class Fp8Forward:
     """A fresh TE FP8 context per forward (TE's is a one-shot generator context): FP8 GEMMs in every TE layer the
-    forward runs; the backward runs outside it, as TE wants. Holds no memory of its own: the delayed recipe's amax
-    histories and scales live in TE's modules (a few floats per GEMM)."""
+    forward runs; the backward runs outside it, as TE wants. The context holds no memory: the delayed recipe's
+    amax histories and scales live in TE's modules (a few floats per GEMM), the FP8 weight cache too
+    (fp8_weight_cache_bytes)."""
 
     def __init__(self, t: Any) -> None:
         import torch.distributed as torch_dist
@@ -106,17 +118,34 @@ class Fp8Forward:
         return self._te.fp8_autocast(enabled=True, fp8_recipe=self._recipe, fp8_group=self._group)
 
 
-def forward_context(device: torch.device, t: Any) -> Callable[[], contextlib.AbstractContextManager]:
+def forward_context(
+    device: torch.device, t: Any, model: torch.nn.Module | None = None
+) -> Callable[..., contextlib.AbstractContextManager]:
     """The forward's precision context, fresh per call: half-precision autocast (fp32 weights), and TE's FP8 when
-    `train.fp8` is set (the config rules have checked TE, CUDA, the GPU and TE layers by then)."""
+    `train.fp8` is set (the config rules have checked TE, CUDA, the GPU and TE layers by then).
+
+    Called as `context(first=...)`: `first` says whether this forward is its global batch's first micro-batch.
+    Under FP8 it reaches the built-in GPT's TE layers as is_first_microbatch (`model.first_microbatch`, for this
+    forward only), as Megatron does: TE casts the weights to FP8 once per global batch, in the first forward,
+    after the optimizer's step (a CPU-stepped layer's update lands before its forward), and reuses that cast in
+    the others. Without it TE casts every weight again in every micro-batch and saves that cast for backward,
+    which activation offload then copies to the host and back as if it were an activation."""
     half = autocast(device, t.precision, t.params_dtype)
     if t.fp8 is None:
-        return lambda: half
+        return lambda first=None: half
     fp8 = Fp8Forward(t)
+    te_layers = model is not None and hasattr(model, "first_microbatch") and not getattr(model, "own_layers", True)
+    cached = model if te_layers else None  # the built-in GPT with TE layers; megatron's TE spec keeps no cache
 
     @contextlib.contextmanager
-    def both() -> Iterator[None]:
-        with half, fp8():
-            yield
+    def both(first: bool | None = None) -> Iterator[None]:
+        if cached is not None:
+            cached.first_microbatch = first
+        try:
+            with half, fp8():
+                yield
+        finally:
+            if cached is not None:
+                cached.first_microbatch = None  # outside the engine's forward TE neither fills nor reads the cache
 
     return both

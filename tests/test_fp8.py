@@ -226,13 +226,12 @@ def test_fp8_trains_offloaded_like_fp8_plain_and_near_bf16(implementation):
     assert max(abs(a - b) for a, b in zip(bf16, off, strict=True)) <= 0.1
 
 
-def test_the_forward_runs_under_te_autocast_with_the_recipe(monkeypatch):
-    """Without TE installed: a stand-in TE records what the engine's forward context enters, once per forward."""
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """Without TE installed: a stand-in TE whose autocast records what the engine's forward context enters."""
     import contextlib
     import sys
     import types
-
-    from engine.precision import forward_context
 
     entered = []
     te = types.ModuleType("transformer_engine.pytorch")
@@ -252,14 +251,92 @@ def test_the_forward_runs_under_te_autocast_with_the_recipe(monkeypatch):
              "transformer_engine.common": common, "transformer_engine.common.recipe": recipe}  # fmt: skip
     for name, mod in fakes.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    return entered
+
+
+def test_the_forward_runs_under_te_autocast_with_the_recipe(stand_in_te):
+    """A stand-in TE records what the engine's forward context enters, once per forward."""
+    from engine.precision import forward_context
+
     ctx = forward_context(torch.device("cpu"), train_of(fp8="hybrid", fp8_amax_history_len=4))
     for _ in range(2):  # TE's context is one-shot: a fresh one each forward
         with ctx():
             pass
     want = ("DelayedScaling", {"fp8_format": "HYBRID", "margin": 0, "amax_history_len": 4,
                                "amax_compute_algo": "most_recent"})  # fmt: skip
-    assert entered == [(True, want, None, True)] * 2  # inside bf16 autocast (fp32 weights), one rank: no group
-    entered.clear()
+    assert stand_in_te == [(True, want, None, True)] * 2  # inside bf16 autocast (fp32 weights), one rank: no group
+    stand_in_te.clear()
     with forward_context(torch.device("cpu"), train_of())():
         pass
-    assert entered == []
+    assert stand_in_te == []
+
+
+class RecordingLayer(torch.nn.Module):
+    """Stands in for a TE TransformerLayer: records the is_first_microbatch each forward gets ("unset": none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        self.seen.append(kw.get("is_first_microbatch", "unset"))
+        return x
+
+
+def test_te_layers_cast_their_fp8_weights_once_per_global_batch(stand_in_te):
+    """Under FP8 the built-in GPT's TE layers get is_first_microbatch: True in a global batch's first forward (TE
+    casts the weights into its FP8 cache), False in the others (the cache is reused), and nothing outside the
+    engine's forward (TE neither fills nor reads the cache: a weight changed since is not read stale)."""
+    from engine.models.gpt import GPT
+    from engine.precision import forward_context
+
+    layers = torch.nn.ModuleList([RecordingLayer(), RecordingLayer()])
+    gpt = GPT(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16, layers=layers)
+    ctx = forward_context(torch.device("cpu"), train_of(fp8="hybrid"), gpt)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    for first in (True, False, False, True, False):
+        with ctx(first=first):
+            gpt(tokens)
+    gpt(tokens)
+    assert [layer.seen for layer in layers] == [[True, False, False, True, False, "unset"]] * 2
+    assert gpt.first_microbatch is None
+    bf16 = torch.nn.ModuleList([RecordingLayer()])
+    plain = GPT(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16, layers=bf16)
+    with forward_context(torch.device("cpu"), train_of(), plain)(first=True):  # no FP8: no cache to fill
+        plain(tokens)
+    assert bf16[0].seen == ["unset"]
+
+
+def test_the_engine_says_which_forward_is_its_global_batch_first(make_engine):
+    """The engine's forward passes first=True to its precision context in the first micro-batch of each global
+    batch only (the tiny config: 2 micro-batches a step)."""
+    eng, _, _ = make_engine()
+    real, seen = eng._autocast, []
+
+    def recording(first=None):
+        seen.append(first)
+        return real(first=first)
+
+    eng._autocast = recording
+    for _ in range(2):
+        eng.train_batch()
+    assert seen == [True, False, True, False]
+
+
+def test_the_plan_counts_the_fp8_weight_cache(gpu):
+    """Under train.fp8 the plan holds each layer weight's FP8 copy and its transpose (2 B per layer parameter
+    element, precision.fp8_weight_cache_bytes) on the GPU, and says activations are counted as in bf16."""
+    import engine
+    from engine.bench.scale import Shape
+    from engine.planning.memory import FP8_NOTE
+
+    shape = Shape(4, 256, 4, 128, 1024)
+    source = {"model": {**shape.model_section(), "use_te": True}, "train": {"device": "cuda"}}
+    plain = engine.plan(load_config(source), gpu_budget_bytes=80 << 30, host_budget_bytes=64 << 30)
+    fp8 = engine.plan(load_config(with_train(device="cuda") | {"model": source["model"]}), gpu_budget_bytes=80 << 30,
+                      host_budget_bytes=64 << 30)  # fmt: skip
+    layer_elements = shape.layers * 12 * shape.hidden**2 + shape.layers * 13 * shape.hidden  # matrices, biases, norms
+    assert fp8.gpu.parts["fp8_weight_cache"] == 2 * layer_elements
+    assert plain.gpu.parts["fp8_weight_cache"] == 0
+    assert fp8.gpu.total_bytes - plain.gpu.total_bytes >= 2 * layer_elements
+    assert FP8_NOTE in fp8.notes and FP8_NOTE not in plain.notes

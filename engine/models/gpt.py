@@ -115,6 +115,9 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(hidden_size)
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
         self.init_method_std, self.num_layers, self.own_layers = init_method_std, num_layers, own_layers
+        # Transformer Engine layers' is_first_microbatch, set by the engine's FP8 forward only (precision.py):
+        # True casts the weights to FP8 into TE's cache, False reuses that cache, None (unset) neither
+        self.first_microbatch: bool | None = None
         if not self.embedding.weight.is_meta:
             self.init_from_seed(draw_seed() if seed is None else seed)
 
@@ -128,11 +131,12 @@ class GPT(nn.Module):
         """tokens: [batch, seq] int64 -> logits [batch, seq, vocab]."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embedding(tokens) + self.position_embedding(positions)
+        te = {} if self.first_microbatch is None else {"is_first_microbatch": self.first_microbatch}
         for i, layer in enumerate(self.layers):
             if i in self.recompute_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, use_reentrant=False, **te)
             else:
-                x = layer(x)
+                x = layer(x, **te)
         return self.output(self.final_norm(x))
 
 

@@ -42,6 +42,7 @@ from engine.planning.activations import Saved
 from engine.planning.census import Census
 from engine.planning.runs import Steps, Suffix, suffix
 from engine.planning.step_time import StepTime
+from engine.precision import fp8_weight_cache_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -52,9 +53,15 @@ HOST_RUNTIME_CUDA = 3 * GIB // 2  # python, torch, the CUDA libraries and the dr
 HOST_RUNTIME_CPU = GIB // 2
 HOST_MARGIN_FRACTION = 0.02  # malloc and page rounding
 
+# what the plan knows of TE's FP8 (engine/precision.py; TE 2.20 on Hopper, read from its code)
+FP8_NOTE = (
+    "train.fp8: each layer's saved activations counted as in bf16, an upper bound (TE saves some GEMM inputs "
+    "in FP8); the FP8 copies of the layer weights with their transposes counted in fp8_weight_cache"
+)
+
 GPU_PARTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "activations_outside_layers",
              "activation_offload_buffers", "logits_and_loss", "backward_working", "optimizer_step_staging",
-             "gpu_assist_slots", "ddp_buckets", "delayed_update_shadow")  # fmt: skip
+             "gpu_assist_slots", "ddp_buckets", "delayed_update_shadow", "fp8_weight_cache")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class Settings:
     recompute_num_layers: int | str | None  # how many layers recompute after the offloaded ones (None: every one)
     data_bytes: int
     world: int
+    fp8: bool = False  # train.fp8: TE layers keep FP8 copies of their weights (precision.fp8_weight_cache_bytes)
 
 
 def settings_of(cfg: Config, world: int = 1) -> Settings:
@@ -122,6 +130,7 @@ def settings_of(cfg: Config, world: int = 1) -> Settings:
         recompute_num_layers=m.recompute_num_layers,
         data_bytes=2 * cfg.data.max_bytes if cfg.data.source != "tokens" else 0,  # the joined bytes and their array
         world=world,
+        fp8=t.fp8 is not None,
     )
 
 
@@ -260,6 +269,7 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
         "gpu_assist_slots": assist_gpu_bytes(cpu.largest, g_final) if s.gpu_assist and cpu.units else 0,
         "ddp_buckets": c.parameters * g_final if s.world > 1 else 0,
         "delayed_update_shadow": shadow_gpu_bytes(n_cpu, s.weight_elem) if s.delayed else 0,
+        "fp8_weight_cache": fp8_weight_cache_bytes(sum((b - a) * n for a, b, n in c.layer_pieces)) if s.fp8 else 0,
     }
     acts = c.activations
     lay = _layer_activations(c, s, k, r, cuda)
@@ -302,6 +312,8 @@ def evaluate(c: Census, s: Settings, fraction: float, k: int, *, cuda: bool, gpu
     notes = list(c.notes)
     if s.world > 1:
         notes.append(f"planned for the rank holding the most optimizer state of {s.world}")
+    if s.fp8:
+        notes.append(FP8_NOTE)
     return Plan(gpu=gpu, host=host, fraction=fraction, offloaded_layers=k, parameters=c.parameters,
                 cpu_parameters=n_cpu, layer_activation_bytes=layer0,
                 offloaded_layer_bytes=sum(e.nbytes for e in acts.layers[0] if _moves(s, s.layer_offload, e))
