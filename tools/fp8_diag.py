@@ -10,9 +10,9 @@ runs the micro-batches of one global batch (forward under the FP8 context, backw
   kept MiB       GPU memory still held after the global batch beyond the weights (TE's cached FP8 weights)
   ms fwd+bwd     GPU time of one micro-batch's forward and backward (median, CUDA events)
   ms launch      host time of the forward call alone (close to the GPU's: the run waits on Python, not the GPU)
-Modes: bf16; fp8 (what the engine runs: TE casts every weight again in each micro-batch's forward and saves the
-cast for backward); fp8-cache (is_first_microbatch=True on the first micro-batch, False after: cast once per
-global batch into a persistent workspace).
+Modes: bf16; fp8 (TE's default, and the engine's before it passed is_first_microbatch: every weight cast again in
+each micro-batch's forward, the cast saved for backward); fp8-cache (what the engine runs now: is_first_microbatch
+True on the first micro-batch, False after: one cast per global batch into a persistent workspace).
 
     python3 tools/fp8_diag.py [--hidden 2048,4096,5120 --micro-batch 2 --seq 2048 --micro-batches 8]
     python3 tools/fp8_diag.py --dry-run     # CPU check: the built-in torch layer at a tiny shape, bf16 only
