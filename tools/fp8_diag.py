@@ -41,7 +41,8 @@ def storages(t: torch.Tensor) -> list[tuple[int, int, torch.dtype]]:
     """(data pointer, bytes, dtype) of each storage a saved tensor holds: its own, or for a wrapper subclass
     (TE's cached FP8 weight, a Float8Tensor with no storage of its own) those of its inner tensors."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        inner = [v for v in vars(t).values() if isinstance(v, torch.Tensor) and type(v) is torch.Tensor]
+        held = getattr(t, "__dict__", {}).values()
+        inner = [v for v in held if isinstance(v, torch.Tensor) and type(v) is torch.Tensor]
         if inner:
             return [x for v in inner for x in storages(v)]
     st = t.untyped_storage()
@@ -74,7 +75,7 @@ def workspace_ptrs(layer: torch.nn.Module) -> set[int]:
     out = set()
     for m in layer.modules():
         for ws in getattr(m, "_fp8_workspaces", {}).values():
-            for v in vars(ws).values():
+            for v in getattr(ws, "__dict__", {}).values():
                 if isinstance(v, torch.Tensor) and v.numel():
                     out.add(v.untyped_storage().data_ptr())
     return out
@@ -206,7 +207,8 @@ def table(rows: list[dict]) -> None:
             print(line)
     print(
         "saved: per micro-batch, once per storage, parameters left out; FP8: uint8 storages; cached w: TE's "
-        "persistent FP8 weights among them; expect: by TE 2.20's code on Hopper (expected_saved); peak: one "
+        "persistent FP8 weights among them; expect: by TE 2.20's code on Hopper (expected_saved; fp8-cache: without "
+        "the cached weights); peak: one "
         "micro-batch's forward+backward above the memory before it; kept: held after the global batch beyond "
         "weights and input; ms launch: host time of the forward call"
     )
