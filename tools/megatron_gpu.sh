@@ -10,13 +10,14 @@
 # On CPU (no TE, tiny shapes, 4 iterations; checks the script): MEGATRON_GPU_TINY=1 bash tools/megatron_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
-source "$(dirname "$0")/device_env.sh" .whl
-STAGES=${STAGES:-"tests parity"}
-stage() { [[ " $STAGES " == *" $1 "* ]]; }
-if [ "${MEGATRON_GPU_TINY:-0}" = 1 ]; then
+if [ "${MEGATRON_GPU_TINY:-0}" = 1 ]; then  # before the wheels: the device's cp312 wheels do not install here
+  OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
   python3 tools/megatron_parity.py --tiny --iters 4 --jobs "${JOBS:-1}" --out "$OUT/parity" | tee "$OUT/parity.md"
   exit $?
 fi
+source "$(dirname "$0")/device_env.sh" .whl
+STAGES=${STAGES:-"tests parity"}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 source tools/device/te_setup.sh || exit 1
 python3 -c "import megatron.core as m, transformer_engine as t; print('megatron-core', m.__version__, '| TE', t.__version__)"
