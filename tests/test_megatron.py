@@ -354,3 +354,83 @@ def test_group_step_counts_of_fused_adams_survive_a_checkpoint(tmp_path):
     fresh.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     assert fresh.inner.sub_optimizers[0].param_groups[0]["step"] == 7
     assert "step" not in fresh.inner.sub_optimizers[0].param_groups[1]
+
+
+def test_clipping_gradient_tensors_equals_torchs_clipping_of_parameters():
+    from engine.optim.protocol import unscale_and_clip_, unscale_and_clip_grads_
+
+    gen = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300)]
+    for p in a:
+        p.grad = torch.randn(p.shape, generator=gen) * 3
+    grads = [p.grad.clone() for p in a]
+    da = unscale_and_clip_(a, 1.0, grad_scale=4.0)
+    db = unscale_and_clip_grads_(grads, 1.0, grad_scale=4.0)
+    assert da.norm == db.norm and da.ok and db.ok
+    assert all(torch.equal(p.grad, g) for p, g in zip(a, grads, strict=True))
+
+
+def _fp32_master_reference(model, groups, steps, lr):
+    """torch AdamW over fp32 copies of the bf16 weights, gradients widened then clipped: Megatron's mixed precision."""
+    masters = [[p.detach().float() for p in g["params"]] for g in groups]
+    ref = torch.optim.AdamW(
+        [{**g, "params": m} for g, m in zip(groups, masters, strict=True)],
+        lr=lr, betas=(OPT.adam_beta1, OPT.adam_beta2), eps=OPT.adam_eps,
+    )  # fmt: skip
+    flat = [(p, m) for g, ms in zip(groups, masters, strict=True) for p, m in zip(g["params"], ms, strict=True)]
+    for step in range(steps):
+        loss_of(model, tokens(seed=40 + step)).backward()
+        for p, m in flat:
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_([m for _, m in flat], 1.0)
+        ref.step()
+        with torch.no_grad():
+            for p, m in flat:
+                p.copy_(m)
+    return flat
+
+
+def test_megatron_optimizer_steps_half_weights_through_fp32_masters():
+    """bf16 weights under megatron's plain Adam: the update goes to an fp32 master (in place on bf16 it would vanish
+    below half an ulp), bit for bit Megatron's mixed-precision step; the masters survive a checkpoint."""
+    lr = 1e-4  # updates of ~1e-4 on weights of ~0.02: below half a bf16 ulp, lost without a master
+    cfg = SimpleNamespace(**{**vars(OPT), "lr": lr})
+    model, ref = build(seed=11).to(torch.bfloat16), build(seed=11).to(torch.bfloat16)
+    opt = megatron.build_hybrid_optimizer(model, cfg)
+    assert opt.masters and all(m.dtype == torch.float32 for _, m in opt.masters)
+    for step in range(4):
+        loss_of(model, tokens(seed=40 + step)).backward()
+        assert opt.clip_and_step(1.0)[1]
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    flat = _fp32_master_reference(ref, megatron.megatron_param_groups(ref, OPT.weight_decay), 4, lr)
+    for (p, m), (q, r) in zip(opt.masters, flat, strict=True):
+        assert torch.equal(m, r) and torch.equal(p, q)
+    # the masters hold what the bf16 weights cannot: progress below half an ulp
+    assert all(not torch.equal(m, p.float()) for p, m in opt.masters if p.dim() == 2)
+
+    sd = opt.state_dict()
+    fresh = megatron.build_hybrid_optimizer(model, cfg)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fresh.masters, opt.masters, strict=True))
+    del sd["fp32_from_fp16_params"]  # a checkpoint from before the masters: they restart from the weights
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(m, p.float()) for p, m in fresh.masters)
+
+
+def test_the_hybrid_device_optimizer_gets_fp32_gradients_of_half_weights():
+    """megatron's HybridDeviceOptimizer (CUDA only) reads `decoupled_grad` before `.grad`: the adapter widens half
+    gradients into it and clips there, so no clip coefficient is rounded into a bf16 gradient."""
+    from engine.megatron.optimizer import MegatronOptimizerAdapter
+
+    p = torch.nn.Parameter(torch.full((64,), 0.5, dtype=torch.bfloat16))
+    inner = torch.optim.SGD([p], lr=0.0)
+    inner.param_update_in_fp32 = True  # as megatron's HybridDeviceOptimizer is built
+    p.grad = torch.linspace(1, 3, 64).to(torch.bfloat16)
+    expect = p.grad.float()
+    expect = expect * torch.clamp(0.3 / (expect.norm() + 1e-6), max=1.0)
+    bf16_grad = p.grad.clone()
+    MegatronOptimizerAdapter(inner).clip_and_step(0.3)
+    assert p.decoupled_grad.dtype == torch.float32 and torch.equal(p.decoupled_grad, expect)
+    assert torch.equal(p.grad, bf16_grad)  # the bf16 gradient is left as it came

@@ -8,6 +8,14 @@ the CPU side torch AdamW, `param_update_in_fp32=True` (fp32 master copies of hal
 hyperparameters plus `bias_correction=True, fused=True` as group defaults, and the offload fraction, overlap
 and pinning switches from the config. Without `optimizer_cpu_offload` it is megatron's plain `Adam` / `SGD`.
 
+Half (bf16/fp16) weights are stepped through fp32, as Megatron's mixed-precision optimizer does: the gradients are
+widened to fp32 before they are unscaled and clipped (a clip coefficient multiplied into a bf16 gradient would
+round every element again), and the update is applied to an fp32 master. megatron's plain `Adam` steps whatever
+tensors it is given, so the adapter gives it fp32 masters of the half weights and copies them back after each step
+(saved as `fp32_from_fp16_params`, Megatron's name); the HybridDeviceOptimizer keeps its own fp32 copies
+(`param_update_in_fp32=True`) and is handed the fp32 gradients through `decoupled_grad`, the attribute it reads
+before `.grad`. Stepping bf16 weights in place instead loses every update below half a bf16 ulp.
+
 megatron's `HybridDeviceOptimizer` is CUDA-only (it takes CUDA streams when built), so on CPU building it
 raises an error that says so. Megatron's `use_torch_optimizer_for_cpu_offload` has no effect for Adam or
 SGD in megatron-core (its builder overrides the classes it sets), and it has none here either.
@@ -15,6 +23,7 @@ SGD in megatron-core (its builder overrides the classes it sets), and it has non
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +32,9 @@ from torch import nn
 
 from engine.extras import require
 from engine.optim.param_groups import named_parameter_groups
-from engine.optim.protocol import unscale_and_clip_
+from engine.optim.protocol import unscale_and_clip_grads_
+
+_log = logging.getLogger(__name__)
 
 _GROUP_STEPS = "engine_sub_optimizer_group_steps"  # key of our state dict beside megatron's own
 
@@ -101,21 +112,57 @@ def build_megatron_optimizer(param_groups: Iterable[dict], cfg: Any) -> torch.op
     )
 
 
+_MASTERS = "fp32_from_fp16_params"  # Megatron's key for the fp32 masters of half weights
+
+
+def with_fp32_masters(groups: Iterable[dict]) -> tuple[list[dict], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`groups` with every half parameter replaced by an fp32 master copy, and the (half weight, master) pairs."""
+    out, pairs = [], []
+    for g in _plain_groups(groups):
+        params = []
+        for p in g["params"]:
+            if p.dtype in (torch.bfloat16, torch.float16):
+                master = p.detach().float()
+                pairs.append((p, master))
+                p = master
+            params.append(p)
+        out.append({**g, "params": params})
+    return out, pairs
+
+
 class MegatronOptimizerAdapter(torch.optim.Optimizer):
     """EngineOptimizer (engine/optim/protocol.py) over a megatron-core optimizer (`inner`).
 
     It shares `inner`'s param-group dicts, so an LR schedule built on the adapter sets the lr `inner` uses
     (HybridDeviceOptimizer copies group settings into its sub-optimizers at every step). Optimizer state
-    lives in `inner`; `state_dict`/`load_state_dict` are `inner`'s.
+    lives in `inner`; `state_dict`/`load_state_dict` are `inner`'s, plus the fp32 masters of `masters`
+    ((half weight, fp32 master) pairs whose masters `inner` steps; module docstring).
     """
 
-    def __init__(self, inner: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, inner: torch.optim.Optimizer, masters: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> None:
         self.inner = inner
+        self.masters = masters or []
         # torch.optim.Optimizer.add_param_group keeps each group dict it is given: the dicts are shared
         super().__init__(inner.param_groups, inner.defaults)
 
-    def _params_with_grad(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        """The gradients the step reads, each in fp32: half gradients widened into the masters' `.grad`, or into
+        `decoupled_grad` for the HybridDeviceOptimizer's fp32 copies; fp32 gradients as they are."""
+        for p, master in self.masters:
+            master.grad = None if p.grad is None else p.grad.float()
+        widen = bool(getattr(self.inner, "param_update_in_fp32", False))
+        out = []
+        for p in (q for g in self.param_groups for q in g["params"]):
+            if p.grad is None:
+                continue
+            if widen and p.grad.dtype != torch.float32:
+                p.decoupled_grad = p.grad.float()
+                out.append(p.decoupled_grad)
+            else:
+                out.append(p.grad)
+        return out
 
     def clip_and_step(
         self, max_norm: float, grad_scale: float = 1.0, *, finite: torch.Tensor | None = None
@@ -125,20 +172,32 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         Returns (pre-clip unscaled gradient norm, stepped); a non-finite norm, or `finite` False, skips the step.
         Clipping over the model's gradients before `inner.step()` is what Megatron's FP32Optimizer does around it.
         """
-        params = self._params_with_grad()
-        if not params:
+        grads = self._fp32_grads()
+        if not grads:
             return 0.0, False
         # the step's one synchronisation: skipping needs the norm on the host (Megatron syncs here too)
-        d = unscale_and_clip_(params, max_norm, grad_scale, finite)
+        d = unscale_and_clip_grads_(grads, max_norm, grad_scale, finite)
         if d.ok:
             self.step()  # through step: an LR schedule built on this adapter sees the step
         return d.norm, d.ok
 
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - torch API: step without clipping
-        return self.inner.step(closure)
+        if self.masters and all(m.grad is None for _, m in self.masters):
+            self._fp32_grads()  # a bare step(), as torch's API allows: the masters read the weights' gradients
+        out = self.inner.step(closure)
+        if self.masters:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in self.masters], [m for _, m in self.masters])
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self.inner.zero_grad(set_to_none)
+        for p, _ in self.masters:  # the half weights are not in inner's groups: their gradients are ours to clear
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     # the rest of EngineOptimizer: megatron's optimizer hooks no layer and its step returns with the weights written
     last_step_delayed = False
@@ -174,6 +233,8 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         steps = [[g.get("step") for g in sub.param_groups] for sub in self._subs()]
         if any(st is not None for sub in steps for st in sub):
             sd[_GROUP_STEPS] = steps
+        if self.masters:
+            sd[_MASTERS] = [m for _, m in self.masters]
         return sd
 
     def _subs(self) -> list[torch.optim.Optimizer]:
@@ -183,6 +244,13 @@ class MegatronOptimizerAdapter(torch.optim.Optimizer):
         """Load into `inner`, putting back the live classes `state_dict` wrote as names."""
         sd = {**state_dict, "param_groups": [dict(g) for g in state_dict["param_groups"]]}
         group_steps = sd.pop(_GROUP_STEPS, None)
+        masters = sd.pop(_MASTERS, None)
+        if self.masters:
+            with torch.no_grad():  # a checkpoint without masters (saved before they existed): from the weights
+                for (_, m), saved in zip(self.masters, masters or [p for p, _ in self.masters], strict=True):
+                    m.copy_(saved)
+            if masters is None:
+                _log.warning("the checkpoint holds no fp32 masters of the half weights: they restart from the weights")
         for saved, live in zip(sd["param_groups"], self.inner.param_groups, strict=True):
             saved.update({k: v for k, v in live.items() if isinstance(v, type)})
         inner = self.inner
@@ -248,4 +316,7 @@ def build_hybrid_optimizer(
     offloading HybridDeviceOptimizer), since megatron splits parameters by where they live.
     """
     groups = megatron_param_groups(model, cfg.weight_decay) if param_groups is None else param_groups
-    return MegatronOptimizerAdapter(build_megatron_optimizer(groups, cfg))
+    masters: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if not cfg.optimizer_cpu_offload:  # megatron's HybridDeviceOptimizer keeps its own fp32 copies
+        groups, masters = with_fp32_masters(groups)
+    return MegatronOptimizerAdapter(build_megatron_optimizer(groups, cfg), masters)

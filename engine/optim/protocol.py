@@ -136,6 +136,21 @@ def unscale_and_clip_(
     return decide(total, max_norm, finite)
 
 
+def unscale_and_clip_grads_(
+    grads: list[torch.Tensor], max_norm: float, grad_scale: float = 1.0, finite: torch.Tensor | None = None
+) -> Decision:
+    """`unscale_and_clip_` over gradient tensors that are not the `.grad` of a parameter (fp32 copies of half
+    gradients): the same norm, and the clip coefficient torch's clip_grads_with_norm_ computes and multiplies by."""
+    if grad_scale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / grad_scale)
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for device in {g.device for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
+    return decide(total, max_norm, finite)
+
+
 class TorchOptimizer:
     """EngineOptimizer around a torch.optim.Optimizer that is not one (`inner`): the gradients are unscaled and
     clipped in place, then `inner.step()` runs. It offloads nothing and hooks nothing; `param_groups`,
