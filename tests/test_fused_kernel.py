@@ -17,7 +17,7 @@ import torch
 from engine.optim import fused_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double}
 
 
 @pytest.fixture
@@ -38,6 +38,7 @@ def test_the_c_pass_builds_here():
 
 
 @pytest.mark.parametrize(("entry", "argtypes"), [("fused_adamw_f32", fused_kernel.ARGTYPES),
+                                                 ("fused_adamw_f32_device", fused_kernel.DEVICE_ARGTYPES),
                                                  ("fused_adamw_narrow", fused_kernel.NARROW_ARGTYPES)])  # fmt: skip
 def test_ctypes_signature_equals_the_c_prototype(entry, argtypes):
     src = fused_kernel._SRC.read_text()

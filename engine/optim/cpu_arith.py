@@ -25,6 +25,7 @@ import torch
 
 from engine.optim import blockwise, fused_kernel, remainder
 from engine.optim.adam_math import Hyper, adamw_scalars, adamw_torch_, apply_hypers
+from engine.optim.device_arith import DeviceArith
 from engine.optim.host_state import HostState
 
 _MIN_SLICE = 1 << 16  # elements: below this a slice costs more in dispatch than it saves
@@ -52,6 +53,7 @@ class TensorStep:
     vs: torch.Tensor | None = None
     ms_out: torch.Tensor | None = None
     vs_out: torch.Tensor | None = None
+    device: tuple[float, ...] | None = None  # device_arith.DeviceArith.scalars: the GPU's fused arithmetic instead
 
     @property
     def in_place(self) -> bool:
@@ -104,10 +106,12 @@ class FusedAdamW:
     speculates = True
 
     def __init__(self, lib, threads: int, host: HostState, group_of: dict[str, int],
-                 initializer: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 initializer: Callable[[], None] | None = None, device: DeviceArith | None = None) -> None:  # fmt: skip
         """lib: fused_kernel.load()'s library, or None for torch's ops. initializer: run by each worker
-        thread as it starts (affinity.py binds it to a core)."""
+        thread as it starts (affinity.py binds it to a core). device: step fp32 states in the GPU's fused AdamW
+        arithmetic (device_arith.py; the compiled pass only)."""
         self.lib = lib
+        self.device = device if lib is not None else None
         self.threads = threads
         self.host = host
         self.group_of = group_of
@@ -116,7 +120,13 @@ class FusedAdamW:
     def _scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple[float, ...]:
         return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
-    def _tensor_step(self, n: str, g: torch.Tensor, out: tuple, half: dict | None, scalars: tuple) -> TensorStep:
+    def _device_scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple | None:
+        if self.device is None or self.host.remainders or self.host.moment_dtypes != (torch.float32, torch.float32):
+            return None
+        return self.device.scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
+
+    def _tensor_step(self, n: str, g: torch.Tensor, out: tuple, half: dict | None, scalars: tuple,
+                     device: tuple | None = None) -> TensorStep:  # fmt: skip
         """Parameter n's step from its held state into out = (master, m, v, m scales, v scales). With the
         remainder form `half` holds the unit's bf16 weights as the GPU has them (read back by the caller), stepped
         in place: they are the half weights to upload; the master in and out are remainders."""
@@ -127,16 +137,19 @@ class FusedAdamW:
             return TensorStep(half[n], m, v, g, half[n], m_out, v_out, None, scalars, master, p_out,
                               ms, vs, ms_out, vs_out)  # fmt: skip
         return TensorStep(master, m, v, g, p_out, m_out, v_out, half[n] if half else None, scalars, None, None,
-                          ms, vs, ms_out, vs_out)  # fmt: skip
+                          ms, vs, ms_out, vs_out, device)  # fmt: skip
 
     def step_unit(self, s: UnitStep) -> None:
         self.step([self._tensor_step(n, s.grads[n], (*self.host.state(n), *self.host.scales(n)), s.half,
-                                     self._scalars(n, s.hypers, s.inv_scale, s.coef)) for n in s.names])  # fmt: skip
+                                     self._scalars(n, s.hypers, s.inv_scale, s.coef),
+                                     self._device_scalars(n, s.hypers, s.inv_scale, s.coef))
+                   for n in s.names])  # fmt: skip
 
     def guess(self, unit, names, grads, out, half, hypers) -> None:
         """Step `names` out of place into `out` (name -> host_state.spare_views' tuple), as if unclipped and
         unscaled."""
-        self.step([self._tensor_step(n, grads[n], out[n], half, self._scalars(n, hypers, 1.0, 1.0)) for n in names])
+        self.step([self._tensor_step(n, grads[n], out[n], half, self._scalars(n, hypers, 1.0, 1.0),
+                                     self._device_scalars(n, hypers, 1.0, 1.0)) for n in names])  # fmt: skip
 
     def export(self, name: str) -> dict[str, torch.Tensor]:
         return {}  # its states are the host state's
@@ -171,8 +184,12 @@ class FusedAdamW:
             chunk = max(_MIN_SLICE, -(-numel // self.threads))
             for a in range(0, numel, chunk):
                 b = min(numel, a + chunk)
-                futs.append(self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, s.p, s.m, s.v, s.g, None,
-                                             s.p_out, s.m_out, s.v_out, s.half_out, s.scalars))  # fmt: skip
+                if s.device is not None:
+                    futs.append(self.pool.submit(fused_kernel.adamw_slice_device, self.lib, a, b, s.p, s.m, s.v, s.g,
+                                                 None, s.p_out, s.m_out, s.v_out, s.half_out, s.device))  # fmt: skip
+                else:
+                    futs.append(self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, s.p, s.m, s.v, s.g, None,
+                                                 s.p_out, s.m_out, s.v_out, s.half_out, s.scalars))  # fmt: skip
         for f in futs:
             f.result()
 

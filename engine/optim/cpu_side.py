@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.messages import assist_needs_engine_adamw
-from engine.optim import affinity, fused_kernel
+from engine.optim import affinity, device_arith, fused_kernel
 from engine.optim.adam_math import Hyper
 from engine.optim.cpu_arith import CpuArith, FusedAdamW, TorchOptimizers, UnitStep
 from engine.optim.cpu_transfer import Transfers
@@ -195,7 +195,12 @@ class CpuPart:
         if with_torch:
             self.arith = TorchOptimizers(kind, self.host, self.group_of)
         else:
-            self.arith = FusedAdamW(fused_kernel.load(), threads, self.host, self.group_of, initializer=workers_init)
+            # on CUDA in the GPU's fused arithmetic, so an offloaded parameter steps as it would on the GPU; the GPU
+            # assist steps in the single-tensor one (adam_math.adamw_torch_), so with it the pass keeps that one
+            device = next(iter(self.params.values())).device
+            same_as_gpu = device_arith.find(device) if self.cuda and not gpu_assist else None
+            self.arith = FusedAdamW(fused_kernel.load(), threads, self.host, self.group_of, initializer=workers_init,
+                                    device=same_as_gpu)  # fmt: skip
         self.hyper_source = hyper_source
         self.spec_ok = True  # speculate this step: the last one was not clipped
         self.q: queue.Queue[Speculate | Go | Stop] = queue.Queue()

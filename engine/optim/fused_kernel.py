@@ -114,6 +114,9 @@ def bind(path: Path) -> ctypes.CDLL:
     f = lib.fused_adamw_f32
     f.restype = ctypes.c_int
     f.argtypes = ARGTYPES
+    f = lib.fused_adamw_f32_device
+    f.restype = ctypes.c_int
+    f.argtypes = DEVICE_ARGTYPES
     f = lib.fused_adamw_narrow
     f.restype = ctypes.c_int
     f.argtypes = NARROW_ARGTYPES
@@ -127,6 +130,8 @@ ARGTYPES = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_vo
 ARGTYPES += [ctypes.c_float] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_float] * 7
 ARGTYPES += [ctypes.c_int]
 _VP, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+DEVICE_ARGTYPES = [ctypes.c_int64] + [_VP] * 4 + [_I, _VP, _F, _F] + [_VP] * 4 + [_I, _I]
+DEVICE_ARGTYPES += [ctypes.c_double] * 5 + [_F, _F, _I]
 NARROW_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _I, _VP, _I, _F, _F] + [_VP] * 5 + [_I] + [_F] * 7
 BLOCKWISE_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _VP, _I, _VP, _VP, _I, _F, _F] + [_VP] * 7
 BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 6
@@ -215,6 +220,35 @@ def adamw_slice(
         raise RuntimeError(
             f"fused_adamw_f32 rejected dtypes grad={g.dtype} half={None if half_out is None else half_out.dtype}"
         )
+
+
+def adamw_slice_device(
+    lib: ctypes.CDLL,
+    start: int,
+    stop: int,
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    acc: torch.Tensor | None,
+    p_out: torch.Tensor,
+    m_out: torch.Tensor,
+    v_out: torch.Tensor,
+    half_out: torch.Tensor | None,
+    scalars: tuple[float, ...],
+    stream: bool = True,
+) -> None:
+    """adamw_slice in the GPU's fused AdamW arithmetic (device_arith.py): scalars = (inv_scale, coef, math code,
+    lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt) from device_arith.DeviceArith.scalars."""
+    inv_scale, coef, code, lr, b1, b2, eps, wd, bc1, bc2s = scalars
+    rc = lib.fused_adamw_f32_device(
+        stop - start, _ptr(p, start), _ptr(m, start), _ptr(v, start), _ptr(g, start), KIND[g.dtype],
+        _ptr(acc, start), inv_scale, coef, _ptr(p_out, start), _ptr(m_out, start), _ptr(v_out, start),
+        _ptr(half_out, start), KIND_NONE if half_out is None else KIND[half_out.dtype], int(code),
+        lr, b1, b2, eps, wd, bc1, bc2s, int(stream),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"fused_adamw_f32_device rejected grad={g.dtype} or arithmetic {code}")
 
 
 def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:

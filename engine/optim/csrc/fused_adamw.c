@@ -15,6 +15,12 @@
  * Torch's CPU kernels differ in the last bit in places (a true division by the scalar, a sqrt that is
  * not always correctly rounded, addcmul_ as (value * t1) * t2, addcdiv_ as (value * t1) / t2): within
  * 1e-6 of torch's CPU AdamW in the CPU tests.
+ * fused_adamw_f32_device computes torch's fused CUDA AdamW instead (fused_adam_utils.cuh), as the one-pass
+ * narrow kernel does (narrow_kernel.py: the arithmetics FLOAT, FLOAT_UNFUSED, DOUBLE), so that a CPU-stepped
+ * parameter gets the bits the GPU's fused AdamW would have given it: fp32 scalars, m = fma(b1, m, fma(-b1, g, g)),
+ * v likewise on g*g, the decay p - (lr*wd)*p (or its contraction), p -= (lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)
+ * with true divisions; or those in double, rounded to fp32 where torch's older kernel rounds. Bias corrections come
+ * from the caller, computed on the GPU as the fused kernel computes them.
  * Threading is left to the caller: each call is one slice, called with the GIL released.
  *
  * Streaming stores: an output that does not alias an input (the out-of-place bank, the half copy)
@@ -71,7 +77,14 @@ static inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_F
 
 typedef struct {
     float inv_scale, coef, decay, w1, one_minus_w1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size;
+    /* the fused CUDA arithmetic's scalars (fused_adamw_f32_device), fp32 and double */
+    float lr, b1, fb2, feps, lrwd, step_size, bc2_sqrt;
+    double dlr, db1, db2, deps, dwd, dbc1;
+    int decays;
 } hyper_t;
+
+/* the arithmetic of a loop: torch's single-tensor AdamW (the default), or one of the fused CUDA kernel's */
+enum { MATH_SINGLE = 0, MATH_FLOAT = 1, MATH_FLOAT_UNFUSED = 2, MATH_DOUBLE = 3 };
 
 /* The loop body with every dtype and mode a compile-time constant, so each instance is
  * branch-free and vectorises; the dispatcher below picks the instance once per call. */
@@ -80,7 +93,7 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
                                                              const float *restrict acc, float *p_out, float *m_out,
                                                              float *v_out, void *restrict half_out, hyper_t h,
                                                              const int gk, const int hk, const int has_acc,
-                                                             const int lerp_low) {
+                                                             const int lerp_low, const int math) {
     for (int64_t i = 0; i < n; ++i) {
         float gi = gk == KIND_BF16 ? bf16_to_f32(((const uint16_t *)g)[i])
                  : gk == KIND_F16  ? f16_to_f32(((const uint16_t *)g)[i])
@@ -88,14 +101,33 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         if (has_acc) gi = acc[i] + gi;
         gi = gi * h.inv_scale;
         gi = gi * h.coef;
-        float pi = p[i] * h.decay;
-        float mi = m[i];
-        /* torch's vectorised lerp_: one fused multiply-add from the nearer end */
-        mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
-        float vi = v[i] * h.beta2;
-        vi = fmaf(h.one_minus_beta2, gi * gi, vi); /* CUDA addcmul_: self + value * (t1 * t2), contracted */
-        float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
-        pi = fmaf(h.neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
+        float pi, mi, vi;
+        if (math == MATH_SINGLE) {
+            pi = p[i] * h.decay;
+            mi = m[i];
+            /* torch's vectorised lerp_: one fused multiply-add from the nearer end */
+            mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
+            vi = v[i] * h.beta2;
+            vi = fmaf(h.one_minus_beta2, gi * gi, vi); /* CUDA addcmul_: self + value * (t1 * t2), contracted */
+            float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
+            pi = fmaf(h.neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
+        } else if (math == MATH_DOUBLE) {
+            const double pd = p[i], gd = gi;
+            pi = p[i];
+            if (h.decays) pi = (float)fma(-(h.dlr * h.dwd), pd, pd);
+            mi = (float)fma(h.db1, (double)m[i], (1.0 - h.db1) * gd);
+            vi = (float)fma(h.db2, (double)v[i], (1.0 - h.db2) * gd * gd);
+            const float denom = (float)((double)(sqrtf(vi) / h.bc2_sqrt) + h.deps);
+            pi = pi - (h.step_size * mi) / denom;
+        } else {
+            pi = p[i];
+            if (h.decays) pi = math == MATH_FLOAT ? fmaf(-h.lrwd, pi, pi) : pi - h.lrwd * pi;
+            mi = fmaf(h.b1, m[i], fmaf(-h.b1, gi, gi));
+            const float gg = gi * gi;
+            vi = fmaf(h.fb2, v[i], fmaf(-h.fb2, gg, gg));
+            const float denom = sqrtf(vi) / h.bc2_sqrt + h.feps;
+            pi = pi - (h.step_size * mi) / denom;
+        }
         p_out[i] = pi;
         m_out[i] = mi;
         v_out[i] = vi;
@@ -104,14 +136,18 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
     }
 }
 
-#define LOOP(GK, HK, ACC, LOW) adamw_loop(n, p, m, v, g, acc, p_out, m_out, v_out, half_out, h, GK, HK, ACC, LOW)
-#define BY_LOW(GK, HK, ACC) (lerp_low ? LOOP(GK, HK, ACC, 1) : LOOP(GK, HK, ACC, 0))
+#define LOOP(GK, HK, ACC, LOW, M) adamw_loop(n, p, m, v, g, acc, p_out, m_out, v_out, half_out, h, GK, HK, ACC, LOW, M)
+#define BY_LOW(GK, HK, ACC)                                                                                    \
+    (math == MATH_FLOAT ? LOOP(GK, HK, ACC, 0, MATH_FLOAT)                                                     \
+     : math == MATH_FLOAT_UNFUSED ? LOOP(GK, HK, ACC, 0, MATH_FLOAT_UNFUSED)                                   \
+     : math == MATH_DOUBLE ? LOOP(GK, HK, ACC, 0, MATH_DOUBLE)                                                 \
+     : lerp_low ? LOOP(GK, HK, ACC, 1, MATH_SINGLE) : LOOP(GK, HK, ACC, 0, MATH_SINGLE))
 #define BY_ACC(GK, HK) (acc ? BY_LOW(GK, HK, 1) : BY_LOW(GK, HK, 0))
 #define BY_HALF(GK) (half_kind == KIND_BF16 ? BY_ACC(GK, KIND_BF16) : half_kind == KIND_F16 ? BY_ACC(GK, KIND_F16) : BY_ACC(GK, KIND_NONE))
 
 static void adamw_plain(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
                         const float *acc, float *p_out, float *m_out, float *v_out, void *half_out, int half_kind,
-                        hyper_t h, int lerp_low) {
+                        hyper_t h, int lerp_low, int math) {
     if (g_kind == KIND_BF16) BY_HALF(KIND_BF16);
     else if (g_kind == KIND_F16) BY_HALF(KIND_F16);
     else BY_HALF(KIND_F32);
@@ -143,6 +179,10 @@ static int have_streaming(void) {
 #endif
 }
 
+static int run_f32(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
+                   const float *acc, float *p_out, float *m_out, float *v_out, void *half_out, int half_kind,
+                   hyper_t h, int lerp_low, int math, int stream);
+
 /* Returns 0 on success, 1 on a bad dtype kind. */
 int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
                     const float *acc, float inv_scale, float coef, float *p_out, float *m_out, float *v_out,
@@ -150,16 +190,46 @@ int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, c
                     float bc2_sqrt, float eps, float neg_step_size, int stream) {
     if (g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE) return 1;
     hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
-    const int lerp_low = w1 < 0.5f;
+    return run_f32(n, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, w1 < 0.5f, MATH_SINGLE,
+                   stream);
+}
+
+/* As fused_adamw_f32 in the fused CUDA kernel's arithmetic `math` (MATH_FLOAT, MATH_FLOAT_UNFUSED, MATH_DOUBLE):
+ * lr, beta1, beta2, eps, weight_decay as the optimizer holds them (rounded to fp32 here for the fp32 forms),
+ * bc1 = 1 - beta1^step and bc2_sqrt = sqrt(1 - beta2^step) as that kernel computed them. Returns 1 on a bad kind. */
+int fused_adamw_f32_device(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
+                           const float *acc, float inv_scale, float coef, float *p_out, float *m_out, float *v_out,
+                           void *half_out, int half_kind, int math, double lr, double beta1, double beta2, double eps,
+                           double weight_decay, float bc1, float bc2_sqrt, int stream) {
+    if (g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE) return 1;
+    if (math < MATH_FLOAT || math > MATH_DOUBLE) return 1;
+    hyper_t h = {0};
+    h.inv_scale = inv_scale;
+    h.coef = coef;
+    h.lr = (float)lr;
+    h.b1 = (float)beta1;
+    h.fb2 = (float)beta2;
+    h.feps = (float)eps;
+    h.lrwd = h.lr * (float)weight_decay;
+    h.bc2_sqrt = bc2_sqrt;
+    h.dlr = lr, h.db1 = beta1, h.db2 = beta2, h.deps = eps, h.dwd = weight_decay, h.dbc1 = bc1;
+    h.decays = weight_decay != 0.0;
+    h.step_size = math == MATH_DOUBLE ? (float)(lr / (double)bc1) : h.lr / bc1;
+    return run_f32(n, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, 0, math, stream);
+}
+
+static int run_f32(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
+                   const float *acc, float *p_out, float *m_out, float *v_out, void *half_out, int half_kind,
+                   hyper_t h, int lerp_low, int math, int stream) {
     const int gsz = g_kind == KIND_F32 ? 4 : 2;
     if (!stream || !have_streaming() || n < 2 * BLOCK) {
-        adamw_plain(n, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, lerp_low);
+        adamw_plain(n, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, lerp_low, math);
         return 0;
     }
     /* head: plain, up to the first element where the fp32 outputs are 64-byte aligned */
     int64_t head = (int64_t)(((STREAM_ALIGN - (uintptr_t)p_out % STREAM_ALIGN) % STREAM_ALIGN) / 4);
     if ((uintptr_t)p_out % 4) head = n; /* not even float-aligned: no streaming */
-    adamw_plain(head, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, lerp_low);
+    adamw_plain(head, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, lerp_low, math);
     const int64_t body_end = head + (n - head) / BLOCK * BLOCK;
     /* an output is streamed when it does not alias an input and is aligned at the body's start */
     const int s_p = p_out != p && aligned(p_out + head);
@@ -173,7 +243,7 @@ int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, c
         float *po = s_p ? bp : p_out + i, *mo = s_m ? bm : m_out + i, *vo = s_v ? bv : v_out + i;
         void *ho = half_kind == KIND_NONE ? NULL : s_h ? (void *)bh : (void *)((char *)half_out + i * 2);
         adamw_plain(BLOCK, p + i, m + i, v + i, (const char *)g + i * gsz, g_kind, acc ? acc + i : NULL, po, mo, vo,
-                    ho, half_kind, h, lerp_low);
+                    ho, half_kind, h, lerp_low, math);
         if (s_p) stream_copy(p_out + i, bp, BLOCK * 4);
         if (s_m) stream_copy(m_out + i, bm, BLOCK * 4);
         if (s_v) stream_copy(v_out + i, bv, BLOCK * 4);
@@ -181,7 +251,8 @@ int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, c
     }
     adamw_plain(n - body_end, p + body_end, m + body_end, v + body_end, (const char *)g + body_end * gsz, g_kind,
                 acc ? acc + body_end : NULL, p_out + body_end, m_out + body_end, v_out + body_end,
-                half_kind == KIND_NONE ? NULL : (void *)((char *)half_out + body_end * 2), half_kind, h, lerp_low);
+                half_kind == KIND_NONE ? NULL : (void *)((char *)half_out + body_end * 2), half_kind, h, lerp_low,
+                math);
 #if defined(__AVX512F__) || defined(__AVX__)
     _mm_sfence(); /* streamed lines reach memory before another thread or the DMA engine reads them */
 #endif
