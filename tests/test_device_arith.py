@@ -98,6 +98,55 @@ def test_each_arithmetic_equals_its_transcription_bit_for_bit(math, wd):
     assert not torch.equal(single[0], outs[0])  # a different arithmetic: the test can tell them apart
 
 
+@needs_lib
+@pytest.mark.parametrize("form", ["bf16-moments", "fp16-moments", "remainder", "int8-moments"])
+def test_the_narrow_passes_step_in_the_fused_arithmetic_as_the_fp32_pass_does(form):
+    """The narrow forms in the fused arithmetic: the fp32 device pass on the same values widened, each state then
+    stored in its form (moments rounded to nearest even; the remainder form's master bit-equal, rebuilt from weight +
+    remainder; 8-bit codes requantised from the same fp32 moments)."""
+    from engine.optim import blockwise, remainder
+    from engine.optim.cpu_arith import TensorStep
+
+    gen = torch.Generator().manual_seed(4)
+    n = 3 * blockwise.BLOCK + 17
+    master, g = torch.randn(n, generator=gen) * 0.02, (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    dev = (1.0, 0.75, device_arith.CODE[FLOAT], 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.271, 0.3122)
+    single = adamw_scalars_for_test()
+    if form == "remainder":
+        w, rem = remainder.split(master)
+        m_, v_ = m.clone(), v.clone()
+        fused_kernel.narrow_slice(lib, 0, n, TensorStep(w, m_, v_, g, w, m_, v_, None, single, rem, rem, device=dev))
+        fused_kernel.adamw_slice_device(lib, 0, n, master, m, v, g, None, master, m, v, None, dev)
+        assert torch.equal(remainder.join(w, rem).view(torch.int32), master.view(torch.int32))
+        assert torch.equal(m_, m) and torch.equal(v_, v)
+        return
+    if form == "int8-moments":
+        mc, ms = blockwise.quantise(m, signed=True)
+        vc, vs = blockwise.quantise(v, signed=False)
+        p = master.clone()
+        wide = [master.clone(), blockwise.dequantise(mc, ms, signed=True), blockwise.dequantise(vc, vs, signed=False)]
+        step = TensorStep(p, mc, vc, g, p, mc, vc, None, single, ms=ms, vs=vs, ms_out=ms, vs_out=vs, device=dev)
+        fused_kernel.narrow_slice(lib, 0, n, step)
+        fused_kernel.adamw_slice_device(lib, 0, n, *wide, g, None, *wide, None, dev)
+        assert torch.equal(p, wide[0])
+        assert torch.equal(mc, blockwise.quantise(wide[1], signed=True)[0])
+        return
+    dtype = torch.bfloat16 if form == "bf16-moments" else torch.float16
+    p, mn, vn = master.clone(), m.to(dtype), v.to(dtype)
+    wide = [master.clone(), mn.float(), vn.float()]
+    fused_kernel.narrow_slice(lib, 0, n, TensorStep(p, mn, vn, g, p, mn, vn, None, single, device=dev))
+    fused_kernel.adamw_slice_device(lib, 0, n, *wide, g, None, *wide, None, dev)
+    assert torch.equal(p, wide[0])
+    assert torch.equal(mn, wide[1].to(dtype)) and torch.equal(vn, wide[2].to(dtype))
+
+
+def adamw_scalars_for_test() -> tuple[float, ...]:
+    from engine.optim.adam_math import adamw_scalars
+
+    return adamw_scalars(Hyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 0.0), 3, 1.0, 0.75)
+
+
 def test_the_cpu_side_takes_it_only_for_cuda_parameters():
     assert device_arith.find(torch.device("cpu")) is None
 

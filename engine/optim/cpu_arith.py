@@ -121,7 +121,8 @@ class FusedAdamW:
         return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
     def _device_scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple | None:
-        if self.device is None or self.host.remainders or self.host.moment_dtypes != (torch.float32, torch.float32):
+        narrow = self.host.remainders or self.host.moment_dtypes != (torch.float32, torch.float32)
+        if self.device is None or (narrow and self.device.code not in fused_kernel.NARROW_MATH):
             return None
         return self.device.scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
@@ -135,7 +136,7 @@ class FusedAdamW:
         p_out, m_out, v_out, ms_out, vs_out = out
         if self.host.remainders:
             return TensorStep(half[n], m, v, g, half[n], m_out, v_out, None, scalars, master, p_out,
-                              ms, vs, ms_out, vs_out)  # fmt: skip
+                              ms, vs, ms_out, vs_out, device)  # fmt: skip
         return TensorStep(master, m, v, g, p_out, m_out, v_out, half[n] if half else None, scalars, None, None,
                           ms, vs, ms_out, vs_out, device)  # fmt: skip
 

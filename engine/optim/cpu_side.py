@@ -195,7 +195,8 @@ class CpuPart:
         if with_torch:
             self.arith = TorchOptimizers(kind, self.host, self.group_of)
         else:
-            # on CUDA in the GPU's fused arithmetic, so an offloaded parameter steps as it would on the GPU; the GPU
+            # on CUDA in the GPU's fused arithmetic, so an offloaded parameter steps as it would on the GPU (fp32
+            # states in any of torch's; the narrow forms in the current one, device_arith.py); the GPU
             # assist steps in the single-tensor one (adam_math.adamw_torch_), so with it the pass keeps that one
             device = next(iter(self.params.values())).device
             same_as_gpu = device_arith.find(device) if self.cuda and not gpu_assist else None

@@ -132,9 +132,12 @@ ARGTYPES += [ctypes.c_int]
 _VP, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 DEVICE_ARGTYPES = [ctypes.c_int64] + [_VP] * 4 + [_I, _VP, _F, _F] + [_VP] * 4 + [_I, _I]
 DEVICE_ARGTYPES += [ctypes.c_double] * 5 + [_F, _F, _I]
+_DEVICE_TAIL = [_I] + [ctypes.c_double] * 5 + [_F, _F]  # math code, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt
 NARROW_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _I, _VP, _I, _F, _F] + [_VP] * 5 + [_I] + [_F] * 7
+NARROW_ARGTYPES += _DEVICE_TAIL
 BLOCKWISE_ARGTYPES = [ctypes.c_int64, _VP, _VP, _I, _VP, _I, _VP, _VP, _I, _VP, _VP, _I, _F, _F] + [_VP] * 7
-BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 6
+BLOCKWISE_ARGTYPES += [_I] + [_F] * 7 + [_VP] * 6 + _DEVICE_TAIL
+NARROW_MATH = (0, 1)  # the narrow passes' arithmetics: single-tensor, and device_arith.CODE[FLOAT]
 P_F32, P_REM = 0, 1  # the master's form in fused_adamw_narrow: fp32, or bf16 weight + int16 remainder
 KIND_Q8 = 4  # a moment held as block-wise 8-bit codes (blockwise.py), in fused_adamw_blockwise
 
@@ -251,6 +254,16 @@ def adamw_slice_device(
         raise RuntimeError(f"fused_adamw_f32_device rejected grad={g.dtype} or arithmetic {code}")
 
 
+def _device_tail(s) -> tuple:
+    """The narrow passes' last arguments: the fused arithmetic's code and scalars where s.device is set."""
+    if s.device is None:
+        return (0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
+    _, _, code, lr, b1, b2, eps, wd, bc1, bc2s = s.device
+    if code not in NARROW_MATH:
+        raise ValueError(f"the narrow passes compute arithmetics {NARROW_MATH}, not {code}")
+    return (int(code), lr, b1, b2, eps, wd, bc1, bc2s)
+
+
 def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
     """One slice [start, stop) of a cpu_arith.TensorStep whose moments are narrow (bf16/fp16) or whose master is
     the remainder form (s.rem set: s.p and s.p_out are the bf16 weights), in one pass of fused_adamw_narrow."""
@@ -269,6 +282,7 @@ def narrow_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
         KIND[s.m.dtype], _ptr(s.v, start), KIND[s.v.dtype], _ptr(s.g, start), KIND[s.g.dtype], inv_scale, coef,
         _ptr(s.p_out, start), _ptr(s.rem_out, start), _ptr(s.m_out, start), _ptr(s.v_out, start),
         _ptr(half, start), KIND_NONE if half is None else KIND[half.dtype], decay, w1, beta2, omb2, bc2s, eps, nss,
+        *_device_tail(s),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"fused_adamw_narrow rejected dtypes m={s.m.dtype} v={s.v.dtype} grad={s.g.dtype}")
@@ -287,7 +301,7 @@ def _blockwise_slice(lib: ctypes.CDLL, start: int, stop: int, s) -> None:
         _ptr(s.g, start), KIND[s.g.dtype], inv_scale, coef, _ptr(s.p_out, start), _ptr(s.rem_out, start),
         _ptr(s.m_out, start), _ptr(s.ms_out, b), _ptr(s.v_out, start), _ptr(s.vs_out, b), _ptr(half, start),
         KIND_NONE if half is None else KIND[half.dtype], decay, w1, beta2, omb2, bc2s, eps, nss,
-        *(t.data_ptr() for t in blockwise.tables()),
+        *(t.data_ptr() for t in blockwise.tables()), *_device_tail(s),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"fused_adamw_blockwise rejected dtypes m={s.m.dtype} v={s.v.dtype} grad={s.g.dtype}")

@@ -86,6 +86,36 @@ typedef struct {
 /* the arithmetic of a loop: torch's single-tensor AdamW (the default), or one of the fused CUDA kernel's */
 enum { MATH_SINGLE = 0, MATH_FLOAT = 1, MATH_FLOAT_UNFUSED = 2, MATH_DOUBLE = 3 };
 
+/* One element's update from its (unscaled, clipped) fp32 gradient g, in the arithmetic `math`. */
+static inline __attribute__((always_inline)) void adamw_update(float *p, float *m, float *v, const float gi,
+                                                               const hyper_t *h, const int lerp_low, const int math) {
+    float pi = *p, mi = *m, vi = *v;
+    if (math == MATH_SINGLE) {
+        pi = pi * h->decay;
+        /* torch's vectorised lerp_: one fused multiply-add from the nearer end */
+        mi = lerp_low ? fmaf(h->w1, gi - mi, mi) : fmaf(h->w1 - 1.0f, gi - mi, gi);
+        vi = vi * h->beta2;
+        vi = fmaf(h->one_minus_beta2, gi * gi, vi); /* CUDA addcmul_: self + value * (t1 * t2), contracted */
+        float denom = sqrtf(vi) * h->inv_bc2_sqrt + h->eps; /* torch's CUDA div by a scalar: times its reciprocal */
+        pi = fmaf(h->neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
+    } else if (math == MATH_DOUBLE) {
+        const double pd = pi, gd = gi;
+        if (h->decays) pi = (float)fma(-(h->dlr * h->dwd), pd, pd);
+        mi = (float)fma(h->db1, (double)mi, (1.0 - h->db1) * gd);
+        vi = (float)fma(h->db2, (double)vi, (1.0 - h->db2) * gd * gd);
+        const float denom = (float)((double)(sqrtf(vi) / h->bc2_sqrt) + h->deps);
+        pi = pi - (h->step_size * mi) / denom;
+    } else {
+        if (h->decays) pi = math == MATH_FLOAT ? fmaf(-h->lrwd, pi, pi) : pi - h->lrwd * pi;
+        mi = fmaf(h->b1, mi, fmaf(-h->b1, gi, gi));
+        const float gg = gi * gi;
+        vi = fmaf(h->fb2, vi, fmaf(-h->fb2, gg, gg));
+        const float denom = sqrtf(vi) / h->bc2_sqrt + h->feps;
+        pi = pi - (h->step_size * mi) / denom;
+    }
+    *p = pi, *m = mi, *v = vi;
+}
+
 /* The loop body with every dtype and mode a compile-time constant, so each instance is
  * branch-free and vectorises; the dispatcher below picks the instance once per call. */
 static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const float *restrict p, const float *restrict m,
@@ -101,33 +131,8 @@ static inline __attribute__((always_inline)) void adamw_loop(int64_t n, const fl
         if (has_acc) gi = acc[i] + gi;
         gi = gi * h.inv_scale;
         gi = gi * h.coef;
-        float pi, mi, vi;
-        if (math == MATH_SINGLE) {
-            pi = p[i] * h.decay;
-            mi = m[i];
-            /* torch's vectorised lerp_: one fused multiply-add from the nearer end */
-            mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
-            vi = v[i] * h.beta2;
-            vi = fmaf(h.one_minus_beta2, gi * gi, vi); /* CUDA addcmul_: self + value * (t1 * t2), contracted */
-            float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps; /* torch's CUDA div by a scalar: times its reciprocal */
-            pi = fmaf(h.neg_step_size, mi / denom, pi); /* CUDA's addcdiv_: self + value * (t1 / t2), contracted */
-        } else if (math == MATH_DOUBLE) {
-            const double pd = p[i], gd = gi;
-            pi = p[i];
-            if (h.decays) pi = (float)fma(-(h.dlr * h.dwd), pd, pd);
-            mi = (float)fma(h.db1, (double)m[i], (1.0 - h.db1) * gd);
-            vi = (float)fma(h.db2, (double)v[i], (1.0 - h.db2) * gd * gd);
-            const float denom = (float)((double)(sqrtf(vi) / h.bc2_sqrt) + h.deps);
-            pi = pi - (h.step_size * mi) / denom;
-        } else {
-            pi = p[i];
-            if (h.decays) pi = math == MATH_FLOAT ? fmaf(-h.lrwd, pi, pi) : pi - h.lrwd * pi;
-            mi = fmaf(h.b1, m[i], fmaf(-h.b1, gi, gi));
-            const float gg = gi * gi;
-            vi = fmaf(h.fb2, v[i], fmaf(-h.fb2, gg, gg));
-            const float denom = sqrtf(vi) / h.bc2_sqrt + h.feps;
-            pi = pi - (h.step_size * mi) / denom;
-        }
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_update(&pi, &mi, &vi, gi, &h, lerp_low, math);
         p_out[i] = pi;
         m_out[i] = mi;
         v_out[i] = vi;
@@ -183,6 +188,24 @@ static int run_f32(int64_t n, const float *p, const float *m, const float *v, co
                    const float *acc, float *p_out, float *m_out, float *v_out, void *half_out, int half_kind,
                    hyper_t h, int lerp_low, int math, int stream);
 
+/* The scalars of the fused CUDA arithmetic `math` (see fused_adamw_f32_device). */
+static hyper_t device_hyper(float inv_scale, float coef, int math, double lr, double beta1, double beta2, double eps,
+                            double weight_decay, float bc1, float bc2_sqrt) {
+    hyper_t h = {0};
+    h.inv_scale = inv_scale;
+    h.coef = coef;
+    h.lr = (float)lr;
+    h.b1 = (float)beta1;
+    h.fb2 = (float)beta2;
+    h.feps = (float)eps;
+    h.lrwd = h.lr * (float)weight_decay;
+    h.bc2_sqrt = bc2_sqrt;
+    h.dlr = lr, h.db1 = beta1, h.db2 = beta2, h.deps = eps, h.dwd = weight_decay, h.dbc1 = bc1;
+    h.decays = weight_decay != 0.0;
+    h.step_size = math == MATH_DOUBLE ? (float)(lr / (double)bc1) : h.lr / bc1;
+    return h;
+}
+
 /* Returns 0 on success, 1 on a bad dtype kind. */
 int fused_adamw_f32(int64_t n, const float *p, const float *m, const float *v, const void *g, int g_kind,
                     const float *acc, float inv_scale, float coef, float *p_out, float *m_out, float *v_out,
@@ -203,18 +226,7 @@ int fused_adamw_f32_device(int64_t n, const float *p, const float *m, const floa
                            double weight_decay, float bc1, float bc2_sqrt, int stream) {
     if (g_kind < KIND_F32 || g_kind > KIND_F16 || half_kind < KIND_BF16 || half_kind > KIND_NONE) return 1;
     if (math < MATH_FLOAT || math > MATH_DOUBLE) return 1;
-    hyper_t h = {0};
-    h.inv_scale = inv_scale;
-    h.coef = coef;
-    h.lr = (float)lr;
-    h.b1 = (float)beta1;
-    h.fb2 = (float)beta2;
-    h.feps = (float)eps;
-    h.lrwd = h.lr * (float)weight_decay;
-    h.bc2_sqrt = bc2_sqrt;
-    h.dlr = lr, h.db1 = beta1, h.db2 = beta2, h.deps = eps, h.dwd = weight_decay, h.dbc1 = bc1;
-    h.decays = weight_decay != 0.0;
-    h.step_size = math == MATH_DOUBLE ? (float)(lr / (double)bc1) : h.lr / bc1;
+    const hyper_t h = device_hyper(inv_scale, coef, math, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt);
     return run_f32(n, p, m, v, g, g_kind, acc, p_out, m_out, v_out, half_out, half_kind, h, 0, math, stream);
 }
 
@@ -306,19 +318,14 @@ static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const v
                                                               void *p_out, int16_t *rem_out, void *m_out, void *v_out,
                                                               void *half_out, hyper_t h, const int pk, const int mk,
                                                               const int vk, const int gk, const int hk,
-                                                              const int lerp_low) {
+                                                              const int lerp_low, const int math) {
     for (int64_t i = 0; i < n; ++i) {
         float gi = load_as(g, i, gk);
         gi = gi * h.inv_scale;
         gi = gi * h.coef;
         float pi = pk == P_REM ? rem_join(((const uint16_t *)p)[i], rem[i]) : ((const float *)p)[i];
-        pi = pi * h.decay;
-        float mi = load_as(m, i, mk);
-        mi = lerp_low ? fmaf(h.w1, gi - mi, mi) : fmaf(h.w1 - 1.0f, gi - mi, gi);
-        float vi = load_as(v, i, vk) * h.beta2;
-        vi = fmaf(h.one_minus_beta2, gi * gi, vi);
-        float denom = sqrtf(vi) * h.inv_bc2_sqrt + h.eps;
-        pi = fmaf(h.neg_step_size, mi / denom, pi);
+        float mi = load_as(m, i, mk), vi = load_as(v, i, vk);
+        adamw_update(&pi, &mi, &vi, gi, &h, lerp_low, math);
         if (pk == P_REM) {
             uint16_t hi;
             int16_t r;
@@ -334,9 +341,13 @@ static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const v
     }
 }
 
+#define NLM(PK, MK, VK, GK, HK, LOW, M) \
+    narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, LOW, M)
+/* the narrow forms take the single-tensor arithmetic or the current fused one (MATH_FLOAT) only: each arithmetic
+ * multiplies the instances compiled */
 #define NL(PK, MK, VK, GK, HK)                                                                                  \
-    (lerp_low ? narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, 1) \
-              : narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, 0))
+    (math == MATH_FLOAT ? NLM(PK, MK, VK, GK, HK, 0, MATH_FLOAT)                                               \
+     : lerp_low ? NLM(PK, MK, VK, GK, HK, 1, MATH_SINGLE) : NLM(PK, MK, VK, GK, HK, 0, MATH_SINGLE))
 #define N_HALF(PK, MK, VK, GK)                                                                                  \
     (PK == P_REM ? NL(PK, MK, VK, GK, KIND_NONE)                                                                \
      : half_kind == KIND_BF16 ? NL(PK, MK, VK, GK, KIND_BF16)                                                   \
@@ -352,7 +363,8 @@ static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const v
 
 static void narrow_dispatch(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
                             const void *v, int v_kind, const void *g, int g_kind, void *p_out, int16_t *rem_out,
-                            void *m_out, void *v_out, void *half_out, int half_kind, hyper_t h, int lerp_low) {
+                            void *m_out, void *v_out, void *half_out, int half_kind, hyper_t h, int lerp_low,
+                            int math) {
     if (p_kind == P_REM) N_M(P_REM);
     else N_M(P_F32);
 }
@@ -368,11 +380,16 @@ static int bad_kinds(int p_kind, int m_kind, int v_kind, int g_kind, int half_ki
 int fused_adamw_narrow(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
                        const void *v, int v_kind, const void *g, int g_kind, float inv_scale, float coef, void *p_out,
                        int16_t *rem_out, void *m_out, void *v_out, void *half_out, int half_kind, float decay,
-                       float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size) {
+                       float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps, float neg_step_size,
+                       int math, double d_lr, double d_beta1, double d_beta2, double d_eps, double d_weight_decay,
+                       float d_bc1, float d_bc2_sqrt) {
     if (bad_kinds(p_kind, m_kind, v_kind, g_kind, half_kind, KIND_F16, KIND_F16)) return 1;
+    if (math != MATH_SINGLE && math != MATH_FLOAT) return 1;
     hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
+    if (math != MATH_SINGLE)
+        h = device_hyper(inv_scale, coef, math, d_lr, d_beta1, d_beta2, d_eps, d_weight_decay, d_bc1, d_bc2_sqrt);
     narrow_dispatch(n, p, rem, p_kind, m, m_kind, v, v_kind, g, g_kind, p_out, rem_out, m_out, v_out, half_out,
-                    half_kind, h, w1 < 0.5f);
+                    half_kind, h, w1 < 0.5f, math);
     return 0;
 }
 
@@ -430,9 +447,14 @@ int fused_adamw_blockwise(int64_t n, const void *p, const int16_t *rem, int p_ki
                           float *m_absmax_out, void *v_out, float *v_absmax_out, void *half_out, int half_kind,
                           float decay, float w1, float beta2, float one_minus_beta2, float bc2_sqrt, float eps,
                           float neg_step_size, const float *m_map, const float *m_mid, const uint8_t *m_cells,
-                          const float *v_map, const float *v_mid, const uint8_t *v_cells) {
+                          const float *v_map, const float *v_mid, const uint8_t *v_cells, int math, double d_lr,
+                          double d_beta1, double d_beta2, double d_eps, double d_weight_decay, float d_bc1,
+                          float d_bc2_sqrt) {
     if (bad_kinds(p_kind, m_kind, v_kind, g_kind, half_kind, KIND_Q8, KIND_Q8)) return 1;
+    if (math != MATH_SINGLE && math != MATH_FLOAT) return 1;
     hyper_t h = {inv_scale, coef, decay, w1, 1.0f - w1, beta2, one_minus_beta2, 1.0f / bc2_sqrt, eps, neg_step_size};
+    if (math != MATH_SINGLE)
+        h = device_hyper(inv_scale, coef, math, d_lr, d_beta1, d_beta2, d_eps, d_weight_decay, d_bc1, d_bc2_sqrt);
     const int lerp_low = w1 < 0.5f, psz = p_kind == P_REM ? 2 : 4, gsz = kind_size(g_kind);
     const int msz = kind_size(m_kind), vsz = kind_size(v_kind), hsz = 2; /* half weights: bf16 or fp16 */
     float bm[QBLOCK], bv[QBLOCK];
@@ -450,7 +472,7 @@ int fused_adamw_blockwise(int64_t n, const void *p, const int16_t *rem, int p_ki
         narrow_dispatch(len, (const char *)p + i * psz, rem ? rem + i : NULL, p_kind, mi,
                         m_kind == KIND_Q8 ? KIND_F32 : m_kind, vi, v_kind == KIND_Q8 ? KIND_F32 : v_kind,
                         (const char *)g + i * gsz, g_kind, (char *)p_out + i * psz, rem_out ? rem_out + i : NULL, mo,
-                        vo, half_out ? (char *)half_out + i * hsz : NULL, half_kind, h, lerp_low);
+                        vo, half_out ? (char *)half_out + i * hsz : NULL, half_kind, h, lerp_low, math);
         if (m_kind == KIND_Q8) q8_quantise(len, bm, m_mid, m_cells, (uint8_t *)m_out + i, m_absmax_out + b);
         if (v_kind == KIND_Q8) q8_quantise(len, bv, v_mid, v_cells, (uint8_t *)v_out + i, v_absmax_out + b);
     }
