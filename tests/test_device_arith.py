@@ -82,7 +82,7 @@ def test_each_arithmetic_equals_its_transcription_bit_for_bit(math, wd):
     outs = [torch.empty(n) for _ in range(3)]
     half = torch.empty(n, dtype=torch.bfloat16)
     s = (inv_scale, coef, device_arith.CODE[math], lr, b1, b2, eps, wd, bc1, bc2s)
-    fused_kernel.adamw_slice_device(lib, 0, n, p, m, v, g, None, *outs, half, s)
+    fused_kernel.adamw_slice(lib, 0, n, p, m, v, g, None, *outs, half, None, device=s)
     idx = range(n)
     pn, mn, vn, gn = (t.float().numpy() for t in (p, m, v, g))
     for i in idx:
@@ -117,7 +117,7 @@ def test_the_narrow_passes_step_in_the_fused_arithmetic_as_the_fp32_pass_does(fo
         w, rem = remainder.split(master)
         m_, v_ = m.clone(), v.clone()
         fused_kernel.narrow_slice(lib, 0, n, TensorStep(w, m_, v_, g, w, m_, v_, None, single, rem, rem, device=dev))
-        fused_kernel.adamw_slice_device(lib, 0, n, master, m, v, g, None, master, m, v, None, dev)
+        fused_kernel.adamw_slice(lib, 0, n, master, m, v, g, None, master, m, v, None, None, device=dev)
         assert torch.equal(remainder.join(w, rem).view(torch.int32), master.view(torch.int32))
         assert torch.equal(m_, m) and torch.equal(v_, v)
         return
@@ -128,7 +128,7 @@ def test_the_narrow_passes_step_in_the_fused_arithmetic_as_the_fp32_pass_does(fo
         wide = [master.clone(), blockwise.dequantise(mc, ms, signed=True), blockwise.dequantise(vc, vs, signed=False)]
         step = TensorStep(p, mc, vc, g, p, mc, vc, None, single, ms=ms, vs=vs, ms_out=ms, vs_out=vs, device=dev)
         fused_kernel.narrow_slice(lib, 0, n, step)
-        fused_kernel.adamw_slice_device(lib, 0, n, *wide, g, None, *wide, None, dev)
+        fused_kernel.adamw_slice(lib, 0, n, *wide, g, None, *wide, None, None, device=dev)
         assert torch.equal(p, wide[0])
         assert torch.equal(mc, blockwise.quantise(wide[1], signed=True)[0])
         return
@@ -136,7 +136,7 @@ def test_the_narrow_passes_step_in_the_fused_arithmetic_as_the_fp32_pass_does(fo
     p, mn, vn = master.clone(), m.to(dtype), v.to(dtype)
     wide = [master.clone(), mn.float(), vn.float()]
     fused_kernel.narrow_slice(lib, 0, n, TensorStep(p, mn, vn, g, p, mn, vn, None, single, device=dev))
-    fused_kernel.adamw_slice_device(lib, 0, n, *wide, g, None, *wide, None, dev)
+    fused_kernel.adamw_slice(lib, 0, n, *wide, g, None, *wide, None, None, device=dev)
     assert torch.equal(p, wide[0])
     assert torch.equal(mn, wide[1].to(dtype)) and torch.equal(vn, wide[2].to(dtype))
 

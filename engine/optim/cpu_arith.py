@@ -111,7 +111,9 @@ class FusedAdamW:
         thread as it starts (affinity.py binds it to a core). device: step fp32 states in the GPU's fused AdamW
         arithmetic (device_arith.py; the compiled pass only)."""
         self.lib = lib
-        self.device = device if lib is not None else None
+        narrow = host is not None and (host.remainders or host.moment_dtypes != (torch.float32, torch.float32))
+        fits = device is not None and (not narrow or device.code in fused_kernel.NARROW_MATH)
+        self.device = device if lib is not None and fits else None  # the narrow passes compile FLOAT only
         self.threads = threads
         self.host = host
         self.group_of = group_of
@@ -121,8 +123,7 @@ class FusedAdamW:
         return adamw_scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
     def _device_scalars(self, name: str, hypers: list[Hyper], inv_scale: float, coef: float) -> tuple | None:
-        narrow = self.host.remainders or self.host.moment_dtypes != (torch.float32, torch.float32)
-        if self.device is None or (narrow and self.device.code not in fused_kernel.NARROW_MATH):
+        if self.device is None:
             return None
         return self.device.scalars(hypers[self.group_of[name]], self.host.steps[name] + 1, inv_scale, coef)
 
@@ -185,12 +186,9 @@ class FusedAdamW:
             chunk = max(_MIN_SLICE, -(-numel // self.threads))
             for a in range(0, numel, chunk):
                 b = min(numel, a + chunk)
-                if s.device is not None:
-                    futs.append(self.pool.submit(fused_kernel.adamw_slice_device, self.lib, a, b, s.p, s.m, s.v, s.g,
-                                                 None, s.p_out, s.m_out, s.v_out, s.half_out, s.device))  # fmt: skip
-                else:
-                    futs.append(self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, s.p, s.m, s.v, s.g, None,
-                                                 s.p_out, s.m_out, s.v_out, s.half_out, s.scalars))  # fmt: skip
+                futs.append(self.pool.submit(fused_kernel.adamw_slice, self.lib, a, b, s.p, s.m, s.v, s.g, None,
+                                             s.p_out, s.m_out, s.v_out, s.half_out, s.scalars,
+                                             device=s.device))  # fmt: skip
         for f in futs:
             f.result()
 

@@ -23,9 +23,8 @@ import logging
 import threading
 
 import torch
-from torch.optim.adamw import adamw
 
-from engine.optim import fused_kernel
+from engine.optim import fused_kernel, narrow_kernel
 from engine.optim.adam_math import Hyper
 from engine.optim.narrow_kernel import CANDIDATES, DOUBLE, FLOAT, FLOAT_UNFUSED, Math
 
@@ -54,19 +53,16 @@ class DeviceArith:
         return table[(step - 1) % _TABLE]
 
     def scalars(self, h: Hyper, step: int, inv_scale: float, coef: float) -> tuple[float, ...]:
-        """fused_kernel.adamw_slice_device's scalars for group hyperparameters h at optimizer step `step` (>= 1)."""
+        """fused_kernel.adamw_slice's `device` scalars for group hyperparameters h at optimizer step `step` (>= 1)."""
         bc1, bc2_sqrt = self.bias(h.beta1, h.beta2, step)
         return (inv_scale, coef, self.code, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, bc1, bc2_sqrt)
 
 
 def _bias_table(beta1: float, beta2: float, first: int, math: Math, device: torch.device) -> list[tuple[float, float]]:
-    """Bias corrections for steps first .. first + _TABLE - 1, computed as narrow_kernel.scalars computes them."""
-    dtype = torch.float64 if math.double else torch.float32
+    """Bias corrections for steps first .. first + _TABLE - 1 (narrow_kernel.bias_corrections on the device)."""
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):  # not behind the model's work
-        count = torch.arange(first, first + _TABLE, dtype=torch.float32, device=device).to(dtype)
-        bc1 = (1 - torch.pow(beta1, count)).float()
-        bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, count)).float()
-        both = torch.stack([bc1, bc2_sqrt], 1).cpu()
+        steps = torch.arange(first, first + _TABLE, dtype=torch.float32, device=device)
+        both = torch.stack(narrow_kernel.bias_corrections(beta1, beta2, steps, math), 1).cpu()
     return [(float(a), float(b)) for a, b in both.tolist()]
 
 
@@ -76,24 +72,14 @@ def find(device: torch.device) -> DeviceArith | None:
     lib = fused_kernel.load()
     if device.type != "cuda" or lib is None:
         return None
-    gen = torch.Generator().manual_seed(0)
     n = 1 << 18
-    start = [torch.randn(n, generator=gen) * s for s in (1.0, 1e-2, 1e-3)]
-    start.append(torch.rand(n, generator=gen) * 1e-5)
-    h = Hyper(3e-2, 0.9, 0.95, 1e-8, 0.5, 0.0)  # a large decay: the contracted and plain forms differ often
-    want = [t.to(device) for t in start]
-    for step in (1, 2):
-        count = [torch.full((), float(step + 6), device=device)]
-        adamw([want[0]], [want[1]], [want[2]], [want[3]], [], count, foreach=False, fused=True, amsgrad=False,
-              beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
-              maximize=False)  # fmt: skip
-    want = [t.cpu() for t in want]
+    start, want = ([t.cpu() for t in ts] for ts in narrow_kernel.probe_case(device, n))
     for math in CANDIDATES:
         arith = DeviceArith(math, device)
         p, g, m, v = (t.clone() for t in start)
-        for step in (1, 2):
-            fused_kernel.adamw_slice_device(lib, 0, n, p, m, v, g, None, p, m, v, None,
-                                            arith.scalars(h, step + 7, 1.0, 1.0))  # fmt: skip
+        for step in narrow_kernel.PROBE_STEPS:
+            fused_kernel.adamw_slice(lib, 0, n, p, m, v, g, None, p, m, v, None, None,
+                                     device=arith.scalars(narrow_kernel.PROBE_HYPER, step, 1.0, 1.0))  # fmt: skip
         pairs = zip((p, m, v), (want[0], want[2], want[3]), strict=True)
         if all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in pairs):
             return arith

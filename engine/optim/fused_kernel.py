@@ -203,15 +203,29 @@ def adamw_slice(
     m_out: torch.Tensor,
     v_out: torch.Tensor,
     half_out: torch.Tensor | None,
-    scalars: tuple[float, ...],
+    scalars: tuple[float, ...] | None,
     stream: bool = True,
+    device: tuple[float, ...] | None = None,
 ) -> None:
     """One slice [start, stop) of contiguous flat tensors (all 1-D, same length).
 
-    scalars = (inv_scale, coef, decay, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size).
+    scalars = (inv_scale, coef, decay, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size), torch's
+    single-tensor arithmetic; or, given `device` instead (device_arith.DeviceArith.scalars: inv_scale, coef, math
+    code, lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt), the GPU's fused AdamW arithmetic.
     stream: write the outputs that alias no input with non-temporal stores (same results, no
     write-allocate reads); False only to measure the difference.
     """
+    if device is not None:
+        inv_scale, coef, code, lr, b1, b2, eps, wd, bc1, bc2s = device
+        rc = lib.fused_adamw_f32_device(
+            stop - start, _ptr(p, start), _ptr(m, start), _ptr(v, start), _ptr(g, start), KIND[g.dtype],
+            _ptr(acc, start), inv_scale, coef, _ptr(p_out, start), _ptr(m_out, start), _ptr(v_out, start),
+            _ptr(half_out, start), KIND_NONE if half_out is None else KIND[half_out.dtype], int(code),
+            lr, b1, b2, eps, wd, bc1, bc2s, int(stream),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"fused_adamw_f32_device rejected grad={g.dtype} or arithmetic {code}")
+        return
     inv_scale, coef, decay, w1, beta2, omb2, bc2s, eps, nss = scalars
     rc = lib.fused_adamw_f32(
         stop - start, _ptr(p, start), _ptr(m, start), _ptr(v, start), _ptr(g, start), KIND[g.dtype],
@@ -223,35 +237,6 @@ def adamw_slice(
         raise RuntimeError(
             f"fused_adamw_f32 rejected dtypes grad={g.dtype} half={None if half_out is None else half_out.dtype}"
         )
-
-
-def adamw_slice_device(
-    lib: ctypes.CDLL,
-    start: int,
-    stop: int,
-    p: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    acc: torch.Tensor | None,
-    p_out: torch.Tensor,
-    m_out: torch.Tensor,
-    v_out: torch.Tensor,
-    half_out: torch.Tensor | None,
-    scalars: tuple[float, ...],
-    stream: bool = True,
-) -> None:
-    """adamw_slice in the GPU's fused AdamW arithmetic (device_arith.py): scalars = (inv_scale, coef, math code,
-    lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt) from device_arith.DeviceArith.scalars."""
-    inv_scale, coef, code, lr, b1, b2, eps, wd, bc1, bc2s = scalars
-    rc = lib.fused_adamw_f32_device(
-        stop - start, _ptr(p, start), _ptr(m, start), _ptr(v, start), _ptr(g, start), KIND[g.dtype],
-        _ptr(acc, start), inv_scale, coef, _ptr(p_out, start), _ptr(m_out, start), _ptr(v_out, start),
-        _ptr(half_out, start), KIND_NONE if half_out is None else KIND[half_out.dtype], int(code),
-        lr, b1, b2, eps, wd, bc1, bc2s, int(stream),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"fused_adamw_f32_device rejected grad={g.dtype} or arithmetic {code}")
 
 
 def _device_tail(s) -> tuple:

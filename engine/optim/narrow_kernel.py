@@ -143,10 +143,35 @@ def scalars(h: Hyper, step: int, math: Math, device: torch.device) -> torch.Tens
     out = torch.empty(7, dtype=dtype, device=device)
     for i, x in enumerate((h.lr, h.beta1, h.beta2, h.eps, h.weight_decay)):
         out[i].fill_(x)
-    count = torch.full((), float(step), dtype=torch.float32, device=device).to(dtype)
-    out[5] = (1 - torch.pow(h.beta1, count)).float()  # the fused kernel's fp32 bias corrections
-    out[6] = torch.sqrt(1 - torch.pow(h.beta2, count)).float()
+    out[5], out[6] = bias_corrections(h.beta1, h.beta2, torch.full((), float(step), device=device), math)
     return out
+
+
+def bias_corrections(beta1: float, beta2: float, steps: torch.Tensor, math: Math) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - beta1**step, sqrt(1 - beta2**step)) for float32 step counts `steps` (any shape, on the device), as torch's
+    fused kernel computes them: torch.pow in its precision, rounded to fp32."""
+    count = steps.to(torch.float64 if math.double else torch.float32)
+    return (1 - torch.pow(beta1, count)).float(), torch.sqrt(1 - torch.pow(beta2, count)).float()
+
+
+PROBE_HYPER = Hyper(3e-2, 0.9, 0.95, 1e-8, 0.5, 0.0)  # a large decay: the contracted and plain forms differ often
+PROBE_STEPS = (8, 9)  # optimizer steps of the probe, from stored moments
+
+
+def probe_case(device: torch.device, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A probe of torch's fused AdamW on `device`: (start, want), each [weight, grad, exp_avg, exp_avg_sq] of n fp32
+    elements on `device`, want after PROBE_STEPS of PROBE_HYPER (fp32 weights, decayed)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    start = [torch.randn(n, generator=gen, device=device) * s for s in (1.0, 1e-2, 1e-3)]
+    start.append(torch.rand(n, generator=gen, device=device) * 1e-5)
+    h = PROBE_HYPER
+    want = [t.clone() for t in start]
+    for step in PROBE_STEPS:  # the fused step counts up before it uses the count
+        count = [torch.full((), float(step - 1), device=device)]
+        adamw([want[0]], [want[1]], [want[2]], [want[3]], [], count, foreach=False, fused=True, amsgrad=False,
+              beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
+              maximize=False)  # fmt: skip
+    return start, want
 
 
 def launch(*, weight: torch.Tensor, master: torch.Tensor | None, rem: torch.Tensor | None, grad: torch.Tensor,
@@ -169,23 +194,14 @@ def device_math(device: torch.device) -> Math | None:
     none matches (each of the last two said in one warning line)."""
     if triton is None or device.type != "cuda":
         return None
-    gen = torch.Generator(device=device).manual_seed(0)
-    n = 1 << 20
-    start = [torch.randn(n, generator=gen, device=device) * s for s in (1.0, 1e-2, 1e-3)]
-    start.append(torch.rand(n, generator=gen, device=device) * 1e-5)
-    h = Hyper(3e-2, 0.9, 0.95, 1e-8, 0.5, 0.0)  # a large decay: the contracted and plain forms differ often
-    want = [t.clone() for t in start]
-    for step in (1, 2):
-        count = [torch.full((), float(step + 6), device=device)]
-        adamw([want[0]], [start[1]], [want[2]], [want[3]], [], count, foreach=False, fused=True, amsgrad=False,
-              beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
-              maximize=False)  # fmt: skip
+    start, want = probe_case(device, 1 << 20)
     try:  # the fast path is optional: a kernel that does not build here leaves the staged step, with one line
         for math in CANDIDATES:
             got = [t.clone() for t in start]
-            for step in (1, 2):
+            for step in PROBE_STEPS:
                 launch(weight=got[0], master=None, rem=None, grad=start[1], m=got[2], v=got[3], decay=True,
-                       scalars_=scalars(h, step + 7, math, device), inv_scale=1.0, coef=1.0, math=math)  # fmt: skip
+                       scalars_=scalars(PROBE_HYPER, step, math, device), inv_scale=1.0, coef=1.0,
+                       math=math)  # fmt: skip
             if all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want, strict=True)):
                 return math
     except Exception as e:  # noqa: BLE001  (Triton's compile and launch errors have no common base)

@@ -124,23 +124,18 @@ def unscale_and_clip_(
     params: Iterable[torch.Tensor], max_norm: float, grad_scale: float = 1.0, finite: torch.Tensor | None = None
 ) -> Decision:
     """Unscales (by 1/grad_scale) and clips in place the gradients of `params`, exactly as
-    torch.nn.utils.clip_grad_norm_ does after the unscale (its two public halves, so the norm is read in the same
-    synchronisation as `finite`), and decides the step."""
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    if grad_scale != 1.0:
-        torch._foreach_mul_(grads, 1.0 / grad_scale)
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return decide(total, max_norm, finite)
+    torch.nn.utils.clip_grad_norm_ does after the unscale (unscale_and_clip_grads_: its norm and its clip factor,
+    so the norm is read in the same synchronisation as `finite`), and decides the step."""
+    return unscale_and_clip_grads_([p.grad for p in params if p.grad is not None], max_norm, grad_scale, finite)
 
 
+@torch.no_grad()
 def unscale_and_clip_grads_(
     grads: list[torch.Tensor], max_norm: float, grad_scale: float = 1.0, finite: torch.Tensor | None = None
 ) -> Decision:
-    """`unscale_and_clip_` over gradient tensors that are not the `.grad` of a parameter (fp32 copies of half
-    gradients): the same norm, and the clip coefficient torch's clip_grads_with_norm_ computes and multiplies by."""
+    """`unscale_and_clip_` over gradient tensors, also ones that are not the `.grad` of a parameter (fp32 copies of
+    half gradients): torch's total norm, and the clip coefficient torch's clip_grads_with_norm_ computes and
+    multiplies by."""
     if grad_scale != 1.0:
         torch._foreach_mul_(grads, 1.0 / grad_scale)
     total = torch.nn.utils.get_total_norm(grads, foreach=True)

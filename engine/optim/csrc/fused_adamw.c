@@ -79,7 +79,7 @@ typedef struct {
     float inv_scale, coef, decay, w1, one_minus_w1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size;
     /* the fused CUDA arithmetic's scalars (fused_adamw_f32_device), fp32 and double */
     float lr, b1, fb2, feps, lrwd, step_size, bc2_sqrt;
-    double dlr, db1, db2, deps, dwd, dbc1;
+    double dlr, db1, db2, deps, dwd;
     int decays;
 } hyper_t;
 
@@ -200,7 +200,7 @@ static hyper_t device_hyper(float inv_scale, float coef, int math, double lr, do
     h.feps = (float)eps;
     h.lrwd = h.lr * (float)weight_decay;
     h.bc2_sqrt = bc2_sqrt;
-    h.dlr = lr, h.db1 = beta1, h.db2 = beta2, h.deps = eps, h.dwd = weight_decay, h.dbc1 = bc1;
+    h.dlr = lr, h.db1 = beta1, h.db2 = beta2, h.deps = eps, h.dwd = weight_decay;
     h.decays = weight_decay != 0.0;
     h.step_size = math == MATH_DOUBLE ? (float)(lr / (double)bc1) : h.lr / bc1;
     return h;
