@@ -15,6 +15,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   $(ls .te/*.whl | grep -v transformer_engine_torch)
 tar xJf .te/te_cu13_sm90.tar.xz -C "$SITE"
 export PYTHONPATH=$SITE:$PWD
+# a warm machine keeps /tmp between calls, while the carried .te replaces the repo's copy: keep the built wheel there
+ls .te/transformer_engine_torch-*.whl >/dev/null 2>&1 || cp /tmp/te_wheel/transformer_engine_torch-*.whl .te/ 2>/dev/null
 if ! ls .te/transformer_engine_torch-*.whl >/dev/null 2>&1; then
   # no wheel of the extension built earlier: build one (about 100 s on the device's 16 cores)
   rm -rf /tmp/tebuild && mkdir -p /tmp/tebuild && tar xzf .te/transformer_engine_torch-*.tar.gz -C /tmp/tebuild
@@ -27,6 +29,7 @@ if ! ls .te/transformer_engine_torch-*.whl >/dev/null 2>&1; then
    python3 -m pip wheel --no-build-isolation --no-deps --no-index --no-cache-dir -w "$REPO/.te" . \
      > /tmp/te_build.log 2>&1) || { echo "TE extension build FAILED after $(( $(date +%s) - t0 )) s"; tail -40 /tmp/te_build.log; return 1 2>/dev/null || exit 1; }
   [ -n "$OUT" ] && cp .te/transformer_engine_torch-*.whl /tmp/te_build.log "$OUT"/
+  mkdir -p /tmp/te_wheel && cp .te/transformer_engine_torch-*.whl /tmp/te_wheel/
 fi
 # its wheel puts the .so under transformer_engine/: install aside and merge, as --target --upgrade would
 # replace the whole transformer_engine folder
