@@ -107,3 +107,24 @@ def test_the_json_holds_each_finished_row_before_the_next(tmp_path, monkeypatch,
     assert "plain f=0: 12.5 ms/iter, setup 1.0 s, peak GPU 3.0 GiB, host RSS 1.0 GiB, last loss 5.2500" in (
         capsys.readouterr().out
     )
+
+
+def test_a_row_whose_loss_rose_says_so(tmp_path, monkeypatch, capsys):
+    """A comparison measured across a divergence says nothing: such a row is marked, in its line and the table."""
+
+    def fake_row(a, spec):
+        losses = [5.5, 14.5, 11.6] if spec["peer"] == "ours" else [5.5, 5.3, 5.25]
+        measured = {"iter_ms": 12.5, "tokens_per_s": 1.0, "tflops": 1.0, "setup_s": 1.0, "peak_gpu_bytes": None,
+                    "peak_rss_bytes": 1 << 30}  # fmt: skip
+        return {"peer": spec["peer"], "fraction": spec["fraction"], "semantics": "exact", **measured,
+                "losses": losses}  # fmt: skip
+
+    monkeypatch.setattr(peers, "run_row", fake_row)
+    assert peers.main([*TINY, "--peers", "plain,ours"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln for ln in lines if "ROSE" in ln] == [
+        "  ours f=0.5: 12.5 ms/iter, setup 1.0 s, host RSS 1.0 GiB, last loss 11.6000 (+6.3500 vs plain); "
+        "ROSE from 5.5000: lower --lr",
+        "| ours | 0.5 | 12.5 | 1 | 1 | - | 1.00 GiB | 11.6000 (+6.3500; 9.2000); ROSE from 5.5000: lower --lr "
+        "| exact |",
+    ]

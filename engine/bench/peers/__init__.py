@@ -114,9 +114,15 @@ def table(rows: list[dict], iters: int) -> str:
             continue
         delta = f" ({r['loss_delta']:+.4f}; {r['loss_max_abs_delta']:.4f})" if "loss_delta" in r else ""
         out.append(f"{head} {r['iter_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | "
-                   f"{_gib(r['peak_gpu_bytes'])} | {_gib(r['peak_rss_bytes'])} | {r['losses'][-1]:.4f}{delta} | "
-                   f"{r['semantics']} |")  # fmt: skip
+                   f"{_gib(r['peak_gpu_bytes'])} | {_gib(r['peak_rss_bytes'])} | {r['losses'][-1]:.4f}{delta}"
+                   f"{rose(r)} | {r['semantics']} |")  # fmt: skip
     return "\n".join(out)
+
+
+def rose(r: dict) -> str:
+    """A warning where a row's loss ended above where it began: its comparison is then of a divergence."""
+    first, last = r["losses"][0], r["losses"][-1]
+    return f"; ROSE from {first:.4f}: lower --lr" if last > first else ""
 
 
 def plan_rows(a: argparse.Namespace) -> list[tuple[str, float]]:
@@ -158,7 +164,7 @@ def progress(r: dict) -> str:
     delta = f" ({r['loss_delta']:+.4f} vs plain)" if "loss_delta" in r else ""
     return (
         f"{r['iter_ms']:.1f} ms/iter, setup {r['setup_s']:.1f} s{peak}, host RSS "
-        f"{r['peak_rss_bytes'] / 2**30:.1f} GiB, last loss {r['losses'][-1]:.4f}{delta}"
+        f"{r['peak_rss_bytes'] / 2**30:.1f} GiB, last loss {r['losses'][-1]:.4f}{delta}{rose(r)}"
     )
 
 
