@@ -30,7 +30,7 @@ def config(shape: Shape, row: str, a: argparse.Namespace) -> dict:
     cfg = {
         "model": {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
                   "seq_length": shape.seq, "vocab_size": shape.vocab, "use_te": gpu},
-        "optimizer": {"lr": 3e-4, "lr_warmup_iters": 2, "lr_decay_iters": 1000},
+        "optimizer": {"lr": a.lr, "lr_warmup_iters": a.lr_warmup, "lr_decay_iters": 1000},
         "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
                   "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half" if gpu else "fp32",
                   "device": "cuda" if gpu else "cpu"},
@@ -96,6 +96,10 @@ def main() -> None:
     p.add_argument("--recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
     p.add_argument("--format", default="hybrid", choices=["hybrid", "e4m3"])
     p.add_argument("--rows", default=",".join(ROWS))
+    # a few Adam steps from initialisation at a 1 B shape: 3e-4 warmed over 2 steps made every row's loss rise;
+    # tools/short_lr_gpu.sh measures which constant lr falls at this size
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr-warmup", type=int, default=0, help="lr warm-up iterations")
     a = p.parse_args()
     if a.tiny:
         a.layers, a.hidden, a.heads, a.seq, a.micro_batch, a.global_batch, a.iters, a.warmup = 2, 64, 4, 32, 2, 2, 2, 1
@@ -104,7 +108,8 @@ def main() -> None:
     print(
         f"built-in GPT with {layers}: {shape.layers} x {shape.hidden}, seq {shape.seq}, {shape.params() / 1e9:.2f} B "
         f"params; global batch {a.global_batch} (micro {a.micro_batch}); FP8 {a.format}/{a.recipe}; offload = "
-        f"activations of {shape.layers - 1} layers + hybrid optimizer f=0.5; {a.warmup} + {a.iters} iterations"
+        f"activations of {shape.layers - 1} layers + hybrid optimizer f=0.5; {a.warmup} + {a.iters} iterations, lr {a.lr:g} "
+        f"(warm-up {a.lr_warmup})"
     )
     print(f"\n{'row':<14} {'s/iter':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'held GiB':>9} "
           f"{'left GiB':>9} {'moved MiB':>9} {'loss first':>10} {'loss last':>9}")  # fmt: skip
@@ -117,7 +122,7 @@ def main() -> None:
             continue
         print(f"{r['row']:<14} {r['s']:7.3f} {r['tokens_s']:9.0f} {r['tflops']:8.1f} {r['peak']:9.1f} "
               f"{r['held']:9.2f} {r['left']:9.2f} {r['moved']:9.1f} {r['losses'][0]:10.4f} "
-              f"{r['losses'][-1]:9.4f}")  # fmt: skip
+              f"{r['losses'][-1]:9.4f}{'  ROSE: lower --lr' if r['losses'][-1] > r['losses'][0] else ''}")  # fmt: skip
     for r in results:
         if "losses" in r:
             print(f"losses {r['row']}: " + " ".join(f"{x:.4f}" for x in r["losses"]))
