@@ -3,7 +3,8 @@
 # 2048, micro-batch 4, fractions 0.25/0.5/1) or `bash tools/peers_gpu.sh 8b` (40 x 4096, FRACTIONS_8B, default 0.5;
 # a peer that does not fit is a row with its error). Carry .whl (jsonschema, megatron-core) and .whl-peers
 # (deepspeed, torchao, hjson, pydantic and its needs). DeepSpeed's CPU Adam is built first, timed.
-# ITERS (4) measured steps after WARMUP (2) per row; ROW_TIMEOUT (150 s) stops a row. Each row is its own process
+# ITERS (4) measured steps after WARMUP (2) per row; LR the constant lr (the bench's default otherwise); ROW_TIMEOUT
+# (150 s) stops a row. Each row is its own process
 # (~10-20 s of start, build and first steps on the device before its measured steps): 1.2b is 17 rows, 8b 8 rows of
 # an 8 B model (DeepSpeed's rows allocate ~100 GB of host state). Estimates on one H200: 1.2b ~5-6 min, 8b ~7-9 min
 # with ITERS=2 WARMUP=1 (the CPU Adam build ~1 min of each, unless an earlier call on the same warm machine built it).
@@ -32,7 +33,7 @@ case $model in
       peers=${PEERS_8B:-plain,ours,ours-delayed,megatron,ds-zero2,ds-zero3-ratio,ds-zenflow,torchao} ;;
   *) echo "usage: tools/peers_gpu.sh 1.2b|8b"; exit 2 ;;
 esac
-common=(--iters "${ITERS:-4}" --warmup "${WARMUP:-2}" --timeout "${ROW_TIMEOUT:-150}" --json "$OUT/peers_$model.json")
+common=(--iters "${ITERS:-4}" --warmup "${WARMUP:-2}" ${LR:+--lr "$LR"} --timeout "${ROW_TIMEOUT:-150}" --json "$OUT/peers_$model.json")
 if [ -n "${PEERS_TINY:-}" ]; then  # the same rows at a tiny shape, on CPU
   shape=(--layers 2 --hidden 64 --heads 4 --seq 32 --micro-batch 2 --fractions 0.5 --threads 1 --data-bytes 200000)
 fi
