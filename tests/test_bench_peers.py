@@ -128,3 +128,18 @@ def test_a_row_whose_loss_rose_says_so(tmp_path, monkeypatch, capsys):
         "| ours | 0.5 | 12.5 | 1 | 1 | - | 1.00 GiB | 11.6000 (+6.3500; 9.2000); ROSE from 5.5000: lower --lr "
         "| exact |",
     ]
+
+
+def test_every_peer_starts_from_the_same_weights():
+    """The fp32-weight peers start from the bf16-rounded draw the bf16-weight peers must start from."""
+    import torch
+
+    from engine.bench.peers import models
+
+    spec = {"model": "gpt", "layers": 1, "hidden": 64, "heads": 4, "seq": 16, "seed": 3}
+    fp32 = models.build(spec, torch.device("cpu"))
+    bf16 = models.build(spec, torch.device("cpu"), torch.bfloat16)
+    for a, b in zip(fp32.parameters(), bf16.parameters(), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float())
+    drawn = models.build(spec, torch.device("cpu"), bf16_start=False)  # the fp32 draw itself is off the bf16 grid
+    assert any(not torch.equal(p, p.bfloat16().float()) for p in drawn.parameters())
