@@ -1,9 +1,9 @@
 """One row of `bin/bench peers` in its own process: `python -m engine.bench.peers.runner '<spec as JSON>'`.
 
 Trains the spec's peer for warmup + iters steps and prints one line, `PEERS_ROW {json}`: the per-step losses,
-the median step time, the peak GPU memory (torch's allocator, from after the model was built), the process's
-peak RSS (VmHWM: pinned buffers and the peer's own host copies included), or `error`: the first line of why
-the peer could not run.
+the median step time (ZenFlow's mean: its CPU update comes every few steps), each step's time, the peak GPU
+memory (torch's allocator, from after the model was built), the process's peak RSS (VmHWM: pinned buffers and
+the peer's own host copies included), or `error`: the first line of why the peer could not run.
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ def train(spec: dict) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t)
     trainer.close()
-    iter_s = statistics.median(times[spec["warmup"] :])
+    measured = times[spec["warmup"] :]
+    # a median would pick a step without ZenFlow's periodic CPU update; the mean spreads it over the interval
+    iter_s = statistics.mean(measured) if spec["peer"] == "ds-zenflow" else statistics.median(measured)
     tokens_per_s = spec["micro_batch"] * spec["seq"] / iter_s
     return {
         "losses": losses,
         "iter_ms": 1e3 * iter_s,
+        "step_ms": [1e3 * t for t in times],
         "tokens_per_s": tokens_per_s,
         "tflops": tokens_per_s * models.flops_per_token(spec) / 1e12,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,

@@ -163,6 +163,9 @@ def ds_zero3_ratio(spec: dict, device: torch.device) -> Trainer:
                                                                        "ratio": spec["fraction"]}})  # fmt: skip
 
 
+ZENFLOW_INTERVAL = 4  # steps between ZenFlow's full CPU updates: its ms/iter is a mean, over whole intervals
+
+
 def ds_zenflow(spec: dict, device: torch.device) -> Trainer:
     """DeepSpeed ZenFlow: ZeRO-2 + CPU offload with importance-based (top-k) GPU updates, the rest on the CPU late."""
     import deepspeed
@@ -171,8 +174,8 @@ def ds_zenflow(spec: dict, device: torch.device) -> Trainer:
         raise RuntimeError(f"deepspeed {deepspeed.__version__} has no ZenFlow (deepspeed.runtime.zenflow)")
     return _deepspeed(spec, device, {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                      "overlap_comm": True, "contiguous_gradients": True,
-                                     "zenflow": {"topk_ratio": 0.1, "update_interval": 4, "full_warm_up_rounds": 0,
-                                                 "overlap_step": True}})  # fmt: skip
+                                     "zenflow": {"topk_ratio": 0.1, "update_interval": ZENFLOW_INTERVAL,
+                                                 "full_warm_up_rounds": 0, "overlap_step": True}})  # fmt: skip
 
 
 def _has_module(name: str) -> bool:
