@@ -141,5 +141,7 @@ def test_every_peer_starts_from_the_same_weights():
     bf16 = models.build(spec, torch.device("cpu"), torch.bfloat16)
     for a, b in zip(fp32.parameters(), bf16.parameters(), strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b.float())
-    drawn = models.build(spec, torch.device("cpu"), bf16_start=False)  # the fp32 draw itself is off the bf16 grid
+    drawn = models.build(
+        {**spec, "bf16_start": False}, torch.device("cpu")
+    )  # the fp32 draw itself is off the bf16 grid
     assert any(not torch.equal(p, p.bfloat16().float()) for p in drawn.parameters())

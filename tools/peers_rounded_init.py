@@ -10,9 +10,8 @@ to bf16, beside ours (bf16 weights, fp32 masters, f=1), same data and seed, one 
 from __future__ import annotations
 
 import argparse
-import functools
 
-from engine.bench.peers import models, runner
+from engine.bench.peers import runner
 
 
 def main() -> None:
@@ -38,19 +37,15 @@ def main() -> None:
         threads=None,
         data_bytes=2_000_000,
     )
-    build = models.build
     print(f"{'lr':>7} {'run':28} losses per step (the last minus plain-bf16-start's)")
     for lr in a.lrs:
-        last = {}
+        reference = None  # the first run's last loss: plain from the bf16 start
         for name, peer, bf16_start in (("plain, bf16 start", "plain", True), ("plain, fp32 start", "plain", False),
                                        ("ours f=1, bf16 start", "ours", True)):  # fmt: skip
-            models.build = functools.partial(build, bf16_start=bf16_start)
-            try:
-                r = runner.train(dict(base, peer=peer, lr=lr, fraction=1.0 if peer == "ours" else 0.0))
-            finally:
-                models.build = build
-            last[name] = r["losses"][-1]
-            delta = last[name] - last.get("plain, bf16 start", last[name])
+            fraction = 1.0 if peer == "ours" else 0.0
+            r = runner.train(dict(base, peer=peer, lr=lr, fraction=fraction, bf16_start=bf16_start))
+            reference = r["losses"][-1] if reference is None else reference
+            delta = r["losses"][-1] - reference
             print(f"{lr:7.0e} {name:28}", " ".join(f"{x:.4f}" for x in r["losses"]), f"({delta:+.4f})", flush=True)
 
 

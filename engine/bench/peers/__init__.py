@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-from engine.bench.peers.trainers import SEMANTICS, TRAINERS, ZENFLOW_INTERVAL
+from engine.bench.peers.trainers import PERIODS, SEMANTICS, TRAINERS
 
 COMMAND = "bin/bench peers"
 RUNNER = "engine.bench.peers.runner"
@@ -143,9 +143,9 @@ def main(argv: list[str]) -> int:
           f"{a.micro_batch}; {a.warmup} warm-up + {a.iters} measured steps per row (median; ZenFlow's mean), "
           f"clip {a.clip_grad}, lr {a.lr}, seed {a.seed}; each row in its own process", flush=True)  # fmt: skip
     planned = plan_rows(a)
-    if any(p == "ds-zenflow" for p, _ in planned) and a.iters % ZENFLOW_INTERVAL:
-        print(f"  note: ds-zenflow updates on the CPU every {ZENFLOW_INTERVAL} steps; --iters {a.iters} is not a "
-              "multiple of that, so its mean ms/iter holds a part of an interval", flush=True)  # fmt: skip
+    for peer in sorted({p for p, _ in planned if a.iters % PERIODS.get(p, 1)}):
+        print(f"  note: {peer} updates every {PERIODS[peer]} steps; --iters {a.iters} is not a multiple of that, "
+              "so its mean ms/iter holds a part of an interval", flush=True)  # fmt: skip
     rows = []
     for peer, f in planned:
         r = run_row(a, _spec(a, peer, f))

@@ -17,16 +17,14 @@ def llama_ffn(hidden: int) -> int:
     return -(-8 * hidden // 3 // 64) * 64
 
 
-def build(
-    spec: dict, device: torch.device, dtype: torch.dtype = torch.float32, bf16_start: bool = True
-) -> torch.nn.Module:
+def build(spec: dict, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The spec's model, its initial weights drawn from spec["seed"] on `device` in fp32, then cast to `dtype`.
 
     Every peer starts from the same values: the draw is rounded to bf16 first, because the peers that train bf16
     weights (ours, megatron-core, DeepSpeed) can only start from those, and an fp32 start off the bf16 grid lets
     tiny updates cross rounding boundaries that a bf16 start does not, which reads as a loss difference between
     mechanisms that is really one between initial weights (tools/peers_rounded_init.py measures it;
-    `bf16_start=False` keeps the fp32 draw).
+    spec["bf16_start"] False keeps the fp32 draw).
     """
     torch.manual_seed(spec["seed"])
     with torch.device(device):
@@ -42,7 +40,7 @@ def build(
                                 num_key_value_heads=spec["heads"], max_position_embeddings=spec["seq"],
                                 tie_word_embeddings=False)  # fmt: skip
             model = T.LlamaForCausalLM(cfg)
-    return (model.to(torch.bfloat16) if bf16_start else model).to(dtype)
+    return (model.to(torch.bfloat16) if spec.get("bf16_start", True) else model).to(dtype)
 
 
 def logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One row of `bin/bench peers` in its own process: `python -m engine.bench.peers.runner '<spec as JSON>'`.
 
 Trains the spec's peer for warmup + iters steps and prints one line, `PEERS_ROW {json}`: the per-step losses,
-the median step time (ZenFlow's mean: its CPU update comes every few steps), each step's time, the peak GPU
+the median step time (the mean for a peer with periodic updates, trainers.PERIODS), each step's time, the peak GPU
 memory (torch's allocator, from after the model was built), the process's peak RSS (VmHWM: pinned buffers and
 the peer's own host copies included), or `error`: the first line of why the peer could not run.
 """
@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine.bench.peers import models
-from engine.bench.peers.trainers import TRAINERS
+from engine.bench.peers.trainers import PERIODS, TRAINERS
 from engine.planning.budget import peak_rss_bytes
 
 MARK = "PEERS_ROW "
@@ -47,8 +47,7 @@ def train(spec: dict) -> dict:
         times.append(time.perf_counter() - t)
     trainer.close()
     measured = times[spec["warmup"] :]
-    # a median would pick a step without ZenFlow's periodic CPU update; the mean spreads it over the interval
-    iter_s = statistics.mean(measured) if spec["peer"] == "ds-zenflow" else statistics.median(measured)
+    iter_s = (statistics.mean if spec["peer"] in PERIODS else statistics.median)(measured)
     tokens_per_s = spec["micro_batch"] * spec["seq"] / iter_s
     return {
         "losses": losses,

@@ -19,6 +19,10 @@ import torch
 from engine.bench.peers import models
 
 # what each peer's update is, against plain AdamW on the same gradients
+ZENFLOW_INTERVAL = 4  # steps between ZenFlow's full CPU updates
+# steps between a peer's periodic updates, where it has them: its ms/iter is the mean over its measured steps (a
+# median would pick the steps without the update)
+PERIODS = {"ds-zenflow": ZENFLOW_INTERVAL}
 SEMANTICS = {
     "plain": "exact (the reference: torch AdamW, nothing offloaded)",
     "ours": "exact",
@@ -161,9 +165,6 @@ def ds_zero3_ratio(spec: dict, device: torch.device) -> Trainer:
     """DeepSpeed ZeRO-3 with offload_optimizer `ratio` (Twin-Flow): that share of the Adam step on the CPU."""
     return _deepspeed(spec, device, {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True,
                                                                        "ratio": spec["fraction"]}})  # fmt: skip
-
-
-ZENFLOW_INTERVAL = 4  # steps between ZenFlow's full CPU updates: its ms/iter is a mean, over whole intervals
 
 
 def ds_zenflow(spec: dict, device: torch.device) -> Trainer:
