@@ -2,6 +2,7 @@
 loss column computed from the runs (a runner that perturbs one peer's update changes that row alone)."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -69,6 +70,31 @@ def test_a_child_that_dies_is_a_row_with_its_last_line(tmp_path, monkeypatch, ca
     rows = _rows(tmp_path, "--peers", "plain", "--runner", "dying_runner")
     assert rows["plain"]["error"] == "exited 3: killed by the planted runner"
     assert "loss_delta" not in rows["plain"]
+
+
+KILLED_RUNNER = """
+import os, signal
+held = bytearray(300 << 20)  # touched: resident
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_child_says_what_it_held(tmp_path, monkeypatch):
+    """A peer the kernel kills (SIGKILL: no last words) is a row naming the signal and its own peak host RSS."""
+    (tmp_path / "killed_runner.py").write_text(KILLED_RUNNER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    error = _rows(tmp_path, "--peers", "plain", "--runner", "killed_runner")["plain"]["error"]
+    assert error.startswith("killed by SIGKILL at ") and " GiB peak host RSS of " in error, error
+    held = float(error.split("killed by SIGKILL at ")[1].split(" GiB")[0])
+    assert 0.3 <= held < 2, error  # this child's 300 MiB and the interpreter, not an earlier row's peak
+
+
+def test_a_kill_near_the_host_memory_is_out_of_memory():
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert peers._death(-9, int(0.95 * host), "a warning").endswith(": out of host memory (does not fit)")
+    assert peers._death(-9, 1 << 30, "a warning").endswith(": a warning")  # killed, but not for memory
+    assert peers._death(-15, int(0.95 * host), "bye").startswith("killed by SIGTERM at ")
+    assert peers._death(3, 0, "bye") == "exited 3: bye"
 
 
 def test_an_unknown_peer_is_refused():

@@ -84,7 +84,7 @@ done
 wait
 python3 bin/plot "${files[@]}" -o "$OUT/convergence.png" \
   || echo "(no plot here: bin/plot needs matplotlib; the metrics files are in \$OUT: bin/plot ${files[*]##*/})"
-PARALLEL=${PARALLEL:-0} python3 - "${files[@]}" <<'PY'
+PARALLEL=${PARALLEL:-0} python3 - "${files[@]}" <<'PY' | tee "$OUT/convergence.md"
 import json, os, statistics, sys
 from pathlib import Path
 rows = {}
@@ -118,3 +118,6 @@ for name, recs in rows.items():
           f"| {ms_s} |")
 PY
 echo "command: COMBOS=$COMBOS PARALLEL=${PARALLEL:-0} FRACTION=${FRACTION:-0.25} MICRO_BATCH=$MB tools/convergence_gpu.sh $WHL"
+# a device call returns at most 8 files: the metrics and logs travel as one archive (with the figure and table)
+(cd "$OUT" && tar czf convergence_runs.tar.gz ./*.jsonl ./*.log && rm -f ./*.jsonl ./*.log ./.*.lock) \
+  && echo "metrics and logs: \$OUT/convergence_runs.tar.gz"

@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 from engine.bench.peers.trainers import PERIODS, SEMANTICS, TRAINERS
 
 COMMAND = "bin/bench peers"
 RUNNER = "engine.bench.peers.runner"
 AT_FRACTION = ("ours", "ours-delayed", "megatron", "ds-zero3-ratio")  # the rest offload all of the Adam step
+OOM_SHARE = 0.8  # a child killed past this share of host memory ran out of it
 DEFAULT_PEERS = "plain,ours,ours-delayed,megatron,ds-zero2,ds-zero3-ratio,ds-zenflow,torchao,fsdp2"
 
 
@@ -79,16 +83,49 @@ def run_row(a: argparse.Namespace, spec: dict) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     here = os.getcwd()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*sys.path[:1], here, env.get("PYTHONPATH")]))
-    try:
-        done = subprocess.run([sys.executable, "-m", a.runner, json.dumps(spec)], capture_output=True, text=True,
-                              timeout=a.timeout, env=env)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return {**row, "error": f"no result within --timeout {a.timeout:g} s"}
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", a.runner, json.dumps(spec)], stdout=out, stderr=err, env=env)
+        reaped = _wait(child, a.timeout)
+        if reaped is None:
+            return {**row, "error": f"no result within --timeout {a.timeout:g} s"}
+        returncode, peak_rss = reaped
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
     if lines:
         return {**row, **json.loads(lines[-1][len(MARK) :])}
-    last = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
-    return {**row, "error": f"exited {done.returncode}: {last[-1] if last else 'no output'}"}
+    last = [ln for ln in (stderr + stdout).splitlines() if ln.strip()]
+    return {**row, "error": _death(returncode, peak_rss, last[-1] if last else "no output")}
+
+
+def _wait(child: subprocess.Popen, timeout: float) -> tuple[int, int] | None:
+    """The child's exit code and its own peak RSS in bytes (wait4's rusage), or None after killing it at timeout.
+
+    wait4 rather than RUSAGE_CHILDREN: the latter is the largest of every row so far, not this row's."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+            return child.returncode, usage.ru_maxrss * 1024  # Linux reports KiB
+        if time.monotonic() > deadline:
+            child.kill()
+            child.wait()
+            return None
+        time.sleep(0.05)
+
+
+def _death(returncode: int, peak_rss: int, last_line: str) -> str:
+    """Why a child left no row: its exit code and last line, or the signal that killed it and how much host
+    memory it held then (SIGKILL near the machine's memory is the kernel's out-of-memory killer)."""
+    if returncode >= 0:
+        return f"exited {returncode}: {last_line}"
+    name = signal.Signals(-returncode).name
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    held = f"killed by {name} at {peak_rss / 2**30:.1f} GiB peak host RSS of {host / 2**30:.1f} GiB"
+    if name == "SIGKILL" and peak_rss > OOM_SHARE * host:
+        return f"{held}: out of host memory (does not fit)"
+    return f"{held}: {last_line}"
 
 
 def compare(rows: list[dict]) -> None:
