@@ -193,7 +193,7 @@ def test_checkpoint_both_ways(direction):
 def test_refused_where_it_cannot_act():
     with pytest.raises(ValueError, match="bf16 weight plus a remainder; the CPU-stepped parameters are torch.float32"):
         _opt(tiny_gpt(), 0.5, True)._build()
-    for what in ("gpu_assist", "delayed_param_update", "use_torch_optimizer_for_cpu_offload"):
+    for what in ("gpu_assist", "use_torch_optimizer_for_cpu_offload"):
         with pytest.raises(ValueError, match=rf"store_param_remainders \(optimizer.store_param_remainders\).*{what}"):
             HybridOptions(lr=1e-3, offload_fraction=0.5, store_param_remainders=True, **{what: True})
 
@@ -227,11 +227,23 @@ def test_config_key_reaches_the_cpu_part_and_the_plan():
     assert load_config({}).optimizer.store_param_remainders is False  # default unchanged
 
 
+def test_config_with_the_delayed_update_reaches_both():
+    from engine.build import build_optimizer
+    from engine.config import load_config
+    from engine.optim.param_groups import named_parameter_groups
+
+    model = tiny_gpt(dtype=torch.bfloat16)
+    cfg = load_config({}, overrides=OFFLOAD + REM + ["optimizer.delayed_param_update=true"])
+    opt = build_optimizer(named_parameter_groups(model, None, 0.0), cfg, model)
+    opt._build()
+    assert opt.cpu.host.remainders and opt.delayed is not None and not opt.cpu.speculate
+    opt.close()
+
+
 @pytest.mark.parametrize("over", [
     OFFLOAD + REM[1:],  # without the switch
     OFFLOAD[:-2] + REM,  # fp32 weights
     OFFLOAD[:-2] + ["train.precision=fp16", "train.params_dtype=half"] + REM,
-    OFFLOAD + REM + ["optimizer.delayed_param_update=true"],
     OFFLOAD + REM + ["optimizer.cpu_offload_gpu_assist=true"],
 ])  # fmt: skip
 def test_config_refusals_in_one_line(over):

@@ -3,9 +3,9 @@
 # with `bin/bench scale` at the recipe's shape: rows
 #   fit    the same width at TWIN_LAYERS (16) layers, fp32 states, no offload, no recomputation (the twin)
 #   exact  the recipe's depth with the recipe's own model/optimizer keys (fraction, recomputation, state dtypes)
-#   dpu    the same with the delayed update (optimizer.delayed_param_update, 2 exact steps first); the remainder
-#          master does not combine with it, so this row holds an fp32 master: where that does not fit, the row is
-#          the plan's refusal, which names the deepest model that does (23 B recipe: at most 57 layers, 17.9 B)
+#   dpu    the same with the delayed update (optimizer.delayed_param_update, 2 exact steps first), the recipe's
+#          state forms kept; its GPU shadow of the CPU-stepped weights (2 B each) may not fit beside the recipe:
+#          the row is then the plan's refusal, which names what does
 # each WARMUP (2) + ITERS (6) iterations: TFLOP/s, ratio to the twin, peak GPU/host against the plan, the CPU
 # step, and each row's losses (the recipe's loss falling: the exact row; the bench's AdamW has weight decay 0.1
 # and beta2 0.95 where the recipe keeps the defaults). The table last; if the guard (GUARD, 570 s) stops the
@@ -50,10 +50,7 @@ deep = ",".join(f"{ns}.{k}={value(v)}" for ns in ("model", "optimizer") for k, v
 for k in sorted(every & set(o)):
     print("--set"); print(f"optimizer.{k}={value(o[k])}")
 print("--variant"); print(f"exact:{deep}")
-# the remainder master does not combine with the delayed update: its row holds an fp32 master (the plan then
-# says whether that fits, and if not, how deep a model does)
-dpu = deep.replace("optimizer.store_param_remainders=true", "optimizer.store_param_remainders=false")
-print("--variant"); print(f"dpu:{dpu},optimizer.delayed_param_update=true,optimizer.delayed_param_update_warmup=2")
+print("--variant"); print(f"dpu:{deep},optimizer.delayed_param_update=true,optimizer.delayed_param_update_warmup=2")
 PY
 ) || { echo "could not read $RECIPE"; exit 1; }
 echo "== $RECIPE against its ${TWIN_LAYERS:-16}-layer twin: bin/bench scale --rows fit ${ARGS[*]}"

@@ -338,11 +338,6 @@ def _remainders(c: SimpleNamespace) -> Iterator[Problem]:
         )
     elif o.cpu_offload_gpu_assist:
         why = "does not combine with optimizer.cpu_offload_gpu_assist=true (it streams fp32 masters); set one back"
-    elif o.delayed_param_update:
-        why = (
-            "does not combine with optimizer.delayed_param_update=true (the CPU-stepped weights lag their masters, "
-            "and the remainder form's master is its weight); set one of them back"
-        )
     if why is not None:
         yield Problem(key, f"{why}, or set {key}=false")
 

@@ -453,16 +453,19 @@ class CpuPart:
         return self.copies.upload(unit, dst, [src[n] for n in names], bwd_done)
 
     # ---- state (called with no step in flight) ----
-    def export(self, name: str) -> dict:
-        return self.host.export(name, self.params[name]) | self.arith.export(name)
+    def export(self, name: str, high_half: torch.Tensor | None = None) -> dict:
+        """The state of one parameter. high_half: where the remainder form's bf16 half of the master is when
+        not the parameter (a pending delayed update's shadow, while the model's weight lags it)."""
+        return self.host.export(name, self.params[name] if high_half is None else high_half) | self.arith.export(name)
 
-    def load(self, name: str, st: dict) -> None:
-        """The state of one parameter; with the remainder form its weight too (the master's high half)."""
+    def load(self, name: str, st: dict, high_half: torch.Tensor | None = None) -> None:
+        """The state of one parameter; with the remainder form its weight too (the master's high half), set into
+        the parameter or into `high_half` (a resumed pending update's shadow: the model keeps its loaded weight)."""
         weight = self.host.load(name, st)
         if weight is not None:
-            p = self.params[name]
+            dst = self.params[name] if high_half is None else high_half
             with torch.no_grad():
-                p.copy_(weight.view(p.shape))
+                dst.copy_(weight.view(dst.shape))
         self.arith.load(name, st)
 
     def close(self) -> None:

@@ -24,6 +24,10 @@ stepped (a non-finite step is skipped and does not count).
                 model's weights are kept and the shadow is made from the masters (rounded as the step rounds
                 them), so step s+1 lands it as the uninterrupted run would: a resumed run continues bit for
                 bit. Loaded otherwise (option off, another fraction), the pending update lands at load.
+  remainders    with the remainder master (store_param_remainders) the master is its bf16 weight plus a
+                remainder. The step reads the weights back after the previous update landed in them, so they
+                are the masters' high halves then; while an update is pending the high halves are the shadow,
+                which checkpoints save from and resume into.
 
 Memory: the shadow holds the CPU part's weights once more on the GPU, in their dtype (2 B per CPU-stepped
 parameter with bf16 weights); a step's exposed host wait becomes at most what the CPU step takes beyond one

@@ -378,10 +378,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Full fp32 master weights and optimizer states by parameter name, on the host; the same for any fraction."""
         self._build()
         self.synchronize()
-        state = {}
+        state, ahead = {}, self._masters_ahead()
         for n in self.names:
-            side = self.cpu if n in self.cpu_names else self.gpu
-            state[n] = side.export(n)
+            state[n] = self.cpu.export(n, ahead.get(n)) if n in self.cpu_names else self.gpu.export(n)
         groups = []
         for g in self.param_groups:
             gd = {k: v for k, v in g.items() if k != "params"}
@@ -422,12 +421,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # the fp32 GPU part and torch.optim get their values
         reads_codes = {id(self.gpu): isinstance(self.gpu, NarrowGpuPart),
                        id(self.cpu): self.cpu is not None and self.cpu.host.m is not None}  # fmt: skip
+        ahead = self._masters_ahead()
         for n in self.names:
             side = self.cpu if n in self.cpu_names else self.gpu
-            side.load(n, saved[n] if reads_codes[id(side)] else blockwise.widened(saved[n]))
+            st = saved[n] if reads_codes[id(side)] else blockwise.widened(saved[n])
+            if side is self.cpu:
+                self.cpu.load(n, st, ahead.get(n))
+            else:
+                side.load(n, st)
             if n not in keep:  # kept: the model's loaded weights are the ones the next forward reads
                 p = self.params_by_name[n]
                 p.copy_(saved[n]["master"].to(device=p.device, dtype=p.dtype).reshape(p.shape))
+
+    def _masters_ahead(self) -> dict[str, torch.Tensor]:
+        """The weights one update ahead of the model's, by name: a pending delayed update's shadow (its rounded
+        masters, which the remainder form's master is split from), else none."""
+        return self.delayed.shadow if self.delayed is not None and self.delayed.pending else {}
 
     def host_bytes(self) -> int:
         """Bytes of host memory held by the optimizer (host masters, states, gradient and weight buffers)."""

@@ -142,8 +142,7 @@ class HybridOptions:
         if self.store_param_remainders:
             clash = [k for k, on in (("optimizer='sgd'", self.optimizer != "adam"),
                                      ("use_torch_optimizer_for_cpu_offload", self.use_torch_optimizer_for_cpu_offload),
-                                     ("gpu_assist", self.gpu_assist),
-                                     ("delayed_param_update", self.delayed_param_update)) if on]  # fmt: skip
+                                     ("gpu_assist", self.gpu_assist)) if on]  # fmt: skip
             if clash:
                 raise ValueError(f"store_param_remainders (optimizer.store_param_remainders)=True is the engine's "
                                  f"own AdamW's, stepping the model's weights in place; it does not combine with "

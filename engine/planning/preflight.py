@@ -155,7 +155,7 @@ def _narrower_states(p: Planner, plan: Plan, side: str = "host") -> str | None:
     )
     q8 = ([f"optimizer.exp_avg_dtype={BLOCKWISE}", f"optimizer.exp_avg_sq_dtype={BLOCKWISE}"],
           {"moment_bytes": (1, 1), "moment_coded": (True, True)})  # fmt: skip
-    can_rem = not s.remainders and t.precision == "bf16" and t.params_dtype == "half" and not o.delayed_param_update
+    can_rem = not s.remainders and t.precision == "bf16" and t.params_dtype == "half"
     if can_rem:
         forms.append(rem)
     for moments, narrower in ((bf16, sum(s.moment_bytes) > 4), (q8, s.moment_coded != (True, True))):
