@@ -324,9 +324,8 @@ def test_planned_bytes_equal_the_tensors_held(extra):
 
 
 def test_host_refusal_names_the_8bit_moments_where_only_they_fit():
-    """A host refusal at a fixed split names the block-wise 8-bit moments when no wider form fits: with the
-    remainder master where bf16 weights allow it, alone where they do not (the delayed update keeps fp32
-    masters)."""
+    """A host refusal at a fixed split names the block-wise 8-bit moments when no wider form fits, with the
+    remainder master the bf16 weights allow, with the delayed update too."""
     from dataclasses import replace
 
     from engine.config import load_config
@@ -341,7 +340,8 @@ def test_host_refusal_names_the_8bit_moments_where_only_they_fit():
     for extra, wider, form, says in (
         ([], {"remainders": True, "moment_bytes": (2, 2)}, {"remainders": True, **q8},
          "optimizer.store_param_remainders=true " + keys),
-        (["optimizer.delayed_param_update=true"], {"moment_bytes": (2, 2)}, q8, keys),
+        (["optimizer.delayed_param_update=true"], {"remainders": True, "moment_bytes": (2, 2)},
+         {"remainders": True, **q8}, "optimizer.store_param_remainders=true " + keys),
     ):  # fmt: skip
         cfg = load_config(config_file("13b-h200.json"), overrides=fixed + extra)
         p = planner(cfg, gpu_budget_bytes=139 * gib, host_budget_bytes=None)
