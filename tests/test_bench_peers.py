@@ -2,12 +2,12 @@
 loss column computed from the runs (a runner that perturbs one peer's update changes that row alone)."""
 
 import json
-import os
 import sys
 
 import pytest
 
 from engine.bench import peers
+from engine.planning.budget import meminfo
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--micro-batch", "2", "--iters", "3",
         "--warmup", "1", "--fractions", "0.5", "--threads", "1", "--data-bytes", "200000",
@@ -90,7 +90,7 @@ def test_a_killed_child_says_what_it_held(tmp_path, monkeypatch):
 
 
 def test_a_kill_near_the_host_memory_is_out_of_memory():
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = meminfo()["MemTotal"]
     assert peers._death(-9, int(0.95 * host), "a warning").endswith(": out of host memory (does not fit)")
     assert peers._death(-9, 1 << 30, "a warning").endswith(": a warning")  # killed, but not for memory
     assert peers._death(-15, int(0.95 * host), "bye").startswith("killed by SIGTERM at ")
@@ -167,7 +167,5 @@ def test_every_peer_starts_from_the_same_weights():
     bf16 = models.build(spec, torch.device("cpu"), torch.bfloat16)
     for a, b in zip(fp32.parameters(), bf16.parameters(), strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b.float())
-    drawn = models.build(
-        {**spec, "bf16_start": False}, torch.device("cpu")
-    )  # the fp32 draw itself is off the bf16 grid
+    drawn = models.build({**spec, "bf16_start": False}, torch.device("cpu"))  # the fp32 draw, off the bf16 grid
     assert any(not torch.equal(p, p.bfloat16().float()) for p in drawn.parameters())

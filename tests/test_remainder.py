@@ -128,6 +128,42 @@ def test_run_bit_equal_to_the_fp32_master_run(fraction, device):
         assert tie[_bits(wrem[n]) != _bits(w32[n])].all(), n
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_run_under_delay_bit_equal_to_the_fp32_master_run(fraction, device):
+    """With the delayed update, over warm-up and delayed steps of given gradients: masters (saved while an
+    update is pending) and moments bit-equal to the fp32-master run's; the CPU-stepped weights one update behind
+    after a delayed step, each the nearest of the master it lags (the step reads the landed weights back)."""
+    runs = []
+    for remainders in (False, True):
+        model = tiny_gpt(dtype=torch.bfloat16, device=device)
+        opt = _opt(model, fraction, remainders, delayed_param_update=True, delayed_param_update_warmup=2)
+        steps = []
+        for grads in _grads(model, 6):
+            opt.zero_grad(set_to_none=True)
+            for n, p in model.named_parameters():
+                p.grad = grads[n].to(device)
+            assert opt.clip_and_step(0.05)[1]  # clipped: the clip factor reaches the delayed update
+            opt.synchronize()
+            st = opt.state_dict()
+            weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+            steps.append((st["state"], weights, opt.last_step_delayed, set(st["delayed"]["pending"])))
+        runs.append((steps, opt.cpu_names))
+        opt.close()
+    (fp32, _), (rem, cpu_names) = runs
+    assert [d for *_, d, _ in rem] == [False, False, True, True, True, True] and cpu_names
+    previous = None
+    for s, ((st, _, _, _), (rst, rw, delayed, pending)) in enumerate(zip(fp32, rem, strict=True)):
+        for n, want in st.items():
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(_bits(rst[n][k]), _bits(want[k])), (s, n, k)
+            lags = delayed and n in pending
+            assert lags == (delayed and n in cpu_names)
+            of = previous[n]["master"] if lags else want["master"]
+            assert torch.equal(_bits(rw[n]), _bits(remainder.split(of)[0]).view(rw[n].shape)), (s, n, lags)
+        previous = st
+
+
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])
 def test_training_bit_equal_until_a_tie_steers_it(max_norm):
     """A real loop (the loss reads the weights; backward hooks ship the gradients, so units are guessed out of

@@ -28,6 +28,7 @@ import tempfile
 import time
 
 from engine.bench.peers.trainers import PERIODS, SEMANTICS, TRAINERS
+from engine.planning.budget import meminfo
 
 COMMAND = "bin/bench peers"
 RUNNER = "engine.bench.peers.runner"
@@ -121,7 +122,7 @@ def _death(returncode: int, peak_rss: int, last_line: str) -> str:
     if returncode >= 0:
         return f"exited {returncode}: {last_line}"
     name = signal.Signals(-returncode).name
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = meminfo().get("MemTotal", 0)
     held = f"killed by {name} at {peak_rss / 2**30:.1f} GiB peak host RSS of {host / 2**30:.1f} GiB"
     if name == "SIGKILL" and peak_rss > OOM_SHARE * host:
         return f"{held}: out of host memory (does not fit)"
