@@ -544,6 +544,8 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["optimizer.main_grads_dtype=bf16"], 1, r"optimizer\.main_grads_dtype=\"bf16\": is built for fp32 only"),
         (["optimizer.exp_avg_dtype=fp8"], 1, r"optimizer\.exp_avg_dtype=\"fp8\": fp8 states are not built here"),
         (["optimizer.exp_avg_dtype=bf16"], 1, r"needs optimizer\.use_precision_aware_optimizer=true"),
+        (["optimizer.exp_avg_sq_dtype=fp16", "optimizer.use_precision_aware_optimizer=true"], 1,
+         r"optimizer\.exp_avg_sq_dtype=\"fp16\": fp16 second moments are stored unscaled here and underflow"),
         (["optimizer.exp_avg_sq_dtype=bf16", "optimizer.use_precision_aware_optimizer=true",
           "optimizer.cpu_offload_gpu_assist=true"], 1,
          r"optimizer\.exp_avg_sq_dtype=\"bf16\": does not combine with optimizer\.cpu_offload_gpu_assist=true"),

@@ -108,7 +108,7 @@ def test_remainder_bit_equal_to_the_fp32_master(device, moments, small_slices):
         assert ((_bits(a["master"]).to(torch.int64) & 0xFFFF) == 0x8000)[differ].all(), n
 
 
-COMBOS = [(FP32, FP32, False), (BF16, BF16, False), (BF16, FP16, False), (FP32, FP32, True), (BF16, BF16, True)]
+COMBOS = [(FP32, FP32, False), (BF16, BF16, False), (FP16, BF16, False), (FP32, FP32, True), (BF16, BF16, True)]
 NAMES = {FP32: "fp32", BF16: "bf16", FP16: "fp16"}
 
 

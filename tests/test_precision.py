@@ -151,8 +151,8 @@ def test_narrow_states_refused_where_no_mechanism_uses_them():
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=true", "optimizer.optimizer_offload_fraction=0.5",
            "optimizer.use_distributed_optimizer=true", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"]  # fmt: skip
-NARROW_KEYS = ["optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_dtype=bf16",
-               "optimizer.exp_avg_sq_dtype=fp16"]  # fmt: skip
+NARROW_KEYS = ["optimizer.use_precision_aware_optimizer=true", "optimizer.exp_avg_dtype=fp16",
+               "optimizer.exp_avg_sq_dtype=bf16"]  # fmt: skip
 
 
 def test_config_keys_reach_the_cpu_part_and_the_plan():
@@ -165,7 +165,7 @@ def test_config_keys_reach_the_cpu_part_and_the_plan():
     cfg = load_config({}, overrides=OFFLOAD + NARROW_KEYS)
     opt = build_optimizer(named_parameter_groups(model, None, 0.0), cfg, model)
     opt._build()
-    assert (opt.cpu.host.m.flat.dtype, opt.cpu.host.v.flat.dtype) == (torch.bfloat16, torch.float16)
+    assert (opt.cpu.host.m.flat.dtype, opt.cpu.host.v.flat.dtype) == (torch.float16, torch.bfloat16)
     opt.close()
     shape = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
              "model.vocab_size=256", "train.micro_batch_size=2", "train.global_batch_size=4"]  # fmt: skip

@@ -306,6 +306,13 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
         if getattr(o, k) == "fp8":
             yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16', 'fp16' or "
                           "'int8_blockwise' (block-wise 8-bit codes)")  # fmt: skip
+        elif k == "exp_avg_sq_dtype" and o.exp_avg_sq_dtype == "fp16":
+            # stored unscaled, (1 - beta2) * grad^2 of clipped gradients (~1e-11) flushes to 0 below fp16's 6e-8 and
+            # the update m / (sqrt(v) + eps) grows by |grad| / eps; megatron's TE FusedAdam scales its fp16 states
+            yield Problem(f"optimizer.{k}", "fp16 second moments are stored unscaled here and underflow to 0 for "
+                          "small gradients, which makes the update explode (the scaled fp16 states of megatron's "
+                          "Transformer Engine FusedAdam are not built); use 'bf16' (the same 2 bytes, fp32's "
+                          "range)")  # fmt: skip
         elif not o.use_precision_aware_optimizer:
             yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
                           f"set it, or set optimizer.{k}='fp32'")  # fmt: skip
