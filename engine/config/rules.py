@@ -304,7 +304,8 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
     narrow = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(o, k) != "fp32"]
     for k in narrow:
         if getattr(o, k) == "fp8":
-            yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16', 'fp16' or "
+            sixteen = "'bf16', 'fp16'" if k == "exp_avg_dtype" else "'bf16'"  # fp16 second moments: refused below
+            yield Problem(f"optimizer.{k}", f"fp8 states are not built here; use {sixteen} or "
                           "'int8_blockwise' (block-wise 8-bit codes)")  # fmt: skip
         elif k == "exp_avg_sq_dtype" and o.exp_avg_sq_dtype == "fp16":
             # stored unscaled, (1 - beta2) * grad^2 of clipped gradients (~1e-11) flushes to 0 below fp16's 6e-8 and
