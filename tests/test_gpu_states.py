@@ -165,7 +165,7 @@ def test_plan_bytes_equal_the_tensors_held(fraction, m_dtype, v_dtype, rem, half
     opt.close()
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [((BF16, True), (FP32, False)), ((FP32, False), (FP16, True)),
+@pytest.mark.parametrize(("saved", "loaded"), [((BF16, True), (FP32, False)), ((FP32, False), (BF16, True)),
                                                ((BF16, True), (BF16, True))])  # fmt: skip
 def test_checkpoint_across_state_dtypes_at_fraction_0(saved, loaded, caplog):
     """All GPU-stepped: saved with one state form, loaded into another. Masters bit-equal, moments widened exactly

@@ -91,11 +91,11 @@ def _opt(model, fraction, m_dtype, v_dtype):
 
 def test_states_are_held_in_their_dtype():
     model = tiny_gpt()
-    opt = _opt(model, 1.0, torch.bfloat16, torch.float16)
+    opt = _opt(model, 1.0, torch.float16, torch.bfloat16)
     train_losses(model, opt, batches(2, 1))
     st = opt.state_dict()["state"]
-    assert {s["exp_avg"].dtype for s in st.values()} == {torch.bfloat16}
-    assert {s["exp_avg_sq"].dtype for s in st.values()} == {torch.float16}
+    assert {s["exp_avg"].dtype for s in st.values()} == {torch.float16}
+    assert {s["exp_avg_sq"].dtype for s in st.values()} == {torch.bfloat16}
     assert {s["master"].dtype for s in st.values()} == {torch.float32}
     opt.close()
 
@@ -145,6 +145,13 @@ def test_narrow_states_refused_where_no_mechanism_uses_them():
             HybridOptions(lr=1e-3, offload_fraction=0.5, exp_avg_dtype=torch.bfloat16, **kw)
     with pytest.raises(ValueError, match=r"exp_avg_sq_dtype.*one of"):
         HybridOptions(lr=1e-3, exp_avg_sq_dtype=torch.float64)
+
+
+def test_fp16_second_moments_refused_when_built_by_hand():
+    """The config refuses them; an optimizer built from engine.optim directly must too (unscaled they underflow)."""
+    with pytest.raises(ValueError, match=r"exp_avg_sq_dtype \(optimizer.exp_avg_sq_dtype\)=torch.float16.*bfloat16"):
+        HybridOptions(lr=1e-3, offload_fraction=0.5, exp_avg_sq_dtype=torch.float16)
+    assert HybridOptions(lr=1e-3, offload_fraction=0.5, exp_avg_dtype=torch.float16).exp_avg_dtype == torch.float16
 
 
 # --- the config keys (megatron's names), the plan's bytes ---------------------------------------------------
