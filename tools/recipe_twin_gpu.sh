@@ -12,6 +12,8 @@
 # bench, the rows it finished are printed from its JSON.
 # Estimate for the 23 B recipe on one H200 (~27 s/iter predicted): twin ~0.7 min, exact ~1-1.5 min of setup + 8 x
 # 27 s, dpu refused by the plan in seconds: ~6 min (ITERS=3: ~4.5 min).
+# DPU_LAYERS=N: one more bench, the dpu row alone at N layers (the depth the plan's refusal names; 64 for the 23 B
+# recipe), its TFLOP/s from its own shape, to set against the twin above (DPU_GUARD, 240 s).
 # Usage on the device, from the repo root, carrying .whl:  tools/recipe_twin_gpu.sh [.whl] [extra bench args]
 # On CPU (the recipe's keys at a tiny shape; checks the script): RECIPE_TWIN_TINY=1 tools/recipe_twin_gpu.sh
 set -o pipefail
@@ -68,4 +70,19 @@ for r in rows:
           + " ".join(f"{x:.2f}" for x in r["losses"]) + f" | {r['unavailable'] or ''}")
 PY
 fi
-echo "command: RECIPE=$RECIPE tools/recipe_twin_gpu.sh $WHL $*"
+if [ -n "${DPU_LAYERS:-}" ]; then  # the delayed update at the deepest depth whose GPU shadow fits (the plan names it)
+  DEEP=("${ARGS[@]}")
+  for i in "${!DEEP[@]}"; do [ "${DEEP[$i]}" = --layers ] && DEEP[$((i + 1))]=$DPU_LAYERS; done
+  DPU=$(printf '%s\n' "${DEEP[@]}" | grep '^dpu:')
+  KEEP=(); skip=0  # drop the exact/dpu variants: only the delayed row at DPU_LAYERS runs
+  for x in "${DEEP[@]}"; do
+    if [ "$x" = --variant ]; then skip=1; continue; fi
+    if [ $skip = 1 ]; then skip=0; continue; fi
+    KEEP+=("$x")
+  done
+  echo "== the delayed update at $DPU_LAYERS layers: bin/bench scale --rows '' ${KEEP[*]} --variant ${DPU/dpu:/dpu-$DPU_LAYERS:}"
+  timeout "${DPU_GUARD:-240}" python3 bin/bench scale --rows "" "${KEEP[@]}" --variant "${DPU/dpu:/dpu-$DPU_LAYERS:}" \
+    --warmup "$WARMUP" --iters "$ITERS" --json "$OUT/recipe_dpu_deepest.json" "${TINY[@]}" "$@" 2>&1 \
+    | tee "$OUT/recipe_dpu_deepest.log" | grep -v "Warning"
+fi
+echo "command: RECIPE=$RECIPE DPU_LAYERS=${DPU_LAYERS:-} tools/recipe_twin_gpu.sh $WHL $*"
