@@ -10,6 +10,15 @@ from __future__ import annotations
 TE_NEEDS_CUDA = 'Transformer Engine layers run on CUDA only; set train.device="auto" or "cuda", or model.use_te=false'
 
 
+# stored unscaled, (1 - beta2) * grad^2 of clipped gradients (~1e-11) flushes to 0 below fp16's smallest subnormal
+# (6e-8) and the update m / (sqrt(v) + eps) grows by |grad| / eps (a 1.2 B run diverged); megatron's TE FusedAdam
+# scales its fp16 states, which is not built here
+def fp16_second_moments_explode(bf16: str) -> str:
+    """Why fp16 exp_avg_sq is refused, with `bf16` as the caller spells the fix ('bf16' or torch.bfloat16)."""
+    return ("fp16 second moments are stored unscaled here and underflow to 0 for small gradients, which makes the "
+            f"update explode; use {bf16} (the same 2 bytes, fp32's range)")  # fmt: skip
+
+
 def heads_divide_hidden(hidden_size: int, num_attention_heads: int) -> str | None:
     """What is wrong with model.hidden_size (its value is shown before the text) when the heads do not divide it."""
     if hidden_size % num_attention_heads:

@@ -15,6 +15,7 @@ from engine.config.schema import default, show
 from engine.messages import (
     TE_NEEDS_CUDA,
     assist_needs_engine_adamw,
+    fp16_second_moments_explode,
     heads_divide_hidden,
     offloaded_layer_count,
     recomputed_layer_count,
@@ -308,12 +309,7 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
             yield Problem(f"optimizer.{k}", f"fp8 states are not built here; use {sixteen} or "
                           "'int8_blockwise' (block-wise 8-bit codes)")  # fmt: skip
         elif k == "exp_avg_sq_dtype" and o.exp_avg_sq_dtype == "fp16":
-            # stored unscaled, (1 - beta2) * grad^2 of clipped gradients (~1e-11) flushes to 0 below fp16's 6e-8 and
-            # the update m / (sqrt(v) + eps) grows by |grad| / eps; megatron's TE FusedAdam scales its fp16 states
-            yield Problem(f"optimizer.{k}", "fp16 second moments are stored unscaled here and underflow to 0 for "
-                          "small gradients, which makes the update explode (the scaled fp16 states of megatron's "
-                          "Transformer Engine FusedAdam are not built); use 'bf16' (the same 2 bytes, fp32's "
-                          "range)")  # fmt: skip
+            yield Problem(f"optimizer.{k}", fp16_second_moments_explode("'bf16'"))
         elif not o.use_precision_aware_optimizer:
             yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
                           f"set it, or set optimizer.{k}='fp32'")  # fmt: skip

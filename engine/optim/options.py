@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.messages import fp16_second_moments_explode
 from engine.optim import blockwise
 from engine.optim.delayed import DEFAULT_WARMUP
 
@@ -140,11 +141,8 @@ class HybridOptions:
                                  "optimizer.optimizer='adam', use_torch_optimizer_for_cpu_offload=false and "
                                  f"cpu_offload_gpu_assist=false, or {name}='fp32'")  # fmt: skip
         if self.exp_avg_sq_dtype == torch.float16:
-            # unscaled, (1 - beta2) * grad^2 of clipped gradients flushes to 0 below fp16's smallest subnormal and
-            # the update m / (sqrt(v) + eps) grows by |grad| / eps (a 1.2 B run diverged)
-            raise ValueError("exp_avg_sq_dtype (optimizer.exp_avg_sq_dtype)=torch.float16: fp16 second moments are "
-                             "stored unscaled here and underflow to 0 for small gradients, which makes the update "
-                             "explode; use torch.bfloat16 (the same 2 bytes, fp32's range)")  # fmt: skip
+            raise ValueError(f"exp_avg_sq_dtype (optimizer.exp_avg_sq_dtype)=torch.float16: "
+                             f"{fp16_second_moments_explode('torch.bfloat16')}")  # fmt: skip
         if self.store_param_remainders:
             clash = [k for k, on in (("optimizer='sgd'", self.optimizer != "adam"),
                                      ("use_torch_optimizer_for_cpu_offload", self.use_torch_optimizer_for_cpu_offload),
