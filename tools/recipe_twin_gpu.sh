@@ -34,15 +34,17 @@ fi
 # the recipe -> bench scale's flags (shape, batch, lr) and the deep rows' overrides (every other model/optimizer
 # key the recipe writes); --fraction is a placeholder the overrides replace (the plan's fraction of the deep
 # shape at fp32 states, which bench scale would otherwise look for first, does not exist for such a recipe)
-mapfile -t ARGS < <(python3 - "$RECIPE" "${TWIN_LAYERS:-16}" <<'PY'
+# (DPU: the delayed row alone, named dpu-N, at N layers)
+bench_args() {  # $1: "" (the twin and both deep rows) or N (the delayed row alone at N layers)
+  python3 - "$RECIPE" "${TWIN_LAYERS:-16}" "$1" <<'PY'
 import json, sys
-recipe, twin = sys.argv[1], sys.argv[2]
+recipe, twin, dpu_layers = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = json.load(open(recipe))
 m, o, t = cfg["model"], cfg["optimizer"], cfg["train"]
 print("\n".join(map(str, ["--hidden", m["hidden_size"], "--heads", m["num_attention_heads"], "--layers",
-                          m["num_layers"], "--layers-fit", twin, "--seq", m["seq_length"], "--micro-batch",
-                          t.get("micro_batch_size", 1), "--global-batch", t["global_batch_size"], "--lr", o["lr"],
-                          "--lr-warmup", o.get("lr_warmup_iters", 0), "--fraction", "0.5"])))
+                          dpu_layers or m["num_layers"], "--layers-fit", twin, "--seq", m["seq_length"],
+                          "--micro-batch", t.get("micro_batch_size", 1), "--global-batch", t["global_batch_size"],
+                          "--lr", o["lr"], "--lr-warmup", o.get("lr_warmup_iters", 0), "--fraction", "0.5"])))
 shape = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "lr", "min_lr",
          "lr_warmup_iters", "lr_decay_iters", "lr_decay_style"}
 every = {"accumulate_allreduce_grads_in_fp32"}  # the gradients' dtype: the twin's too
@@ -51,10 +53,13 @@ deep = ",".join(f"{ns}.{k}={value(v)}" for ns in ("model", "optimizer") for k, v
                 if k not in shape | every)
 for k in sorted(every & set(o)):
     print("--set"); print(f"optimizer.{k}={value(o[k])}")
-print("--variant"); print(f"exact:{deep}")
-print("--variant"); print(f"dpu:{deep},optimizer.delayed_param_update=true,optimizer.delayed_param_update_warmup=2")
+dpu = f"{deep},optimizer.delayed_param_update=true,optimizer.delayed_param_update_warmup=2"
+if not dpu_layers:
+    print("--variant"); print(f"exact:{deep}")
+print("--variant"); print(f"dpu-{dpu_layers}:{dpu}" if dpu_layers else f"dpu:{dpu}")
 PY
-) || { echo "could not read $RECIPE"; exit 1; }
+}
+mapfile -t ARGS < <(bench_args "") && [ ${#ARGS[@]} -gt 0 ] || { echo "could not read $RECIPE"; exit 1; }
 echo "== $RECIPE against its ${TWIN_LAYERS:-16}-layer twin: bin/bench scale --rows fit ${ARGS[*]}"
 timeout "$GUARD" python3 bin/bench scale --rows fit "${ARGS[@]}" --warmup "$WARMUP" --iters "$ITERS" \
   --json "$OUT/recipe_twin.json" "${TINY[@]}" "$@" 2>&1 | tee "$OUT/recipe_twin.log" | grep -v "Warning"
@@ -71,18 +76,9 @@ for r in rows:
 PY
 fi
 if [ -n "${DPU_LAYERS:-}" ]; then  # the delayed update at the deepest depth whose GPU shadow fits (the plan names it)
-  DEEP=("${ARGS[@]}")
-  for i in "${!DEEP[@]}"; do [ "${DEEP[$i]}" = --layers ] && DEEP[$((i + 1))]=$DPU_LAYERS; done
-  DPU=$(printf '%s\n' "${DEEP[@]}" | grep '^dpu:')
-  KEEP=(); skip=0  # drop the exact/dpu variants: only the delayed row at DPU_LAYERS runs
-  for x in "${DEEP[@]}"; do
-    if [ "$x" = --variant ]; then skip=1; continue; fi
-    if [ $skip = 1 ]; then skip=0; continue; fi
-    KEEP+=("$x")
-  done
-  echo "== the delayed update at $DPU_LAYERS layers: bin/bench scale --rows '' ${KEEP[*]} --variant ${DPU/dpu:/dpu-$DPU_LAYERS:}"
-  timeout "${DPU_GUARD:-240}" python3 bin/bench scale --rows "" "${KEEP[@]}" --variant "${DPU/dpu:/dpu-$DPU_LAYERS:}" \
-    --warmup "$WARMUP" --iters "$ITERS" --json "$OUT/recipe_dpu_deepest.json" "${TINY[@]}" "$@" 2>&1 \
-    | tee "$OUT/recipe_dpu_deepest.log" | grep -v "Warning"
+  mapfile -t DEEP < <(bench_args "$DPU_LAYERS")
+  echo "== the delayed update at $DPU_LAYERS layers: bin/bench scale --rows '' ${DEEP[*]}"
+  timeout "${DPU_GUARD:-240}" python3 bin/bench scale --rows "" "${DEEP[@]}" --warmup "$WARMUP" --iters "$ITERS" \
+    --json "$OUT/recipe_dpu_deepest.json" "${TINY[@]}" "$@" 2>&1 | tee "$OUT/recipe_dpu_deepest.log" | grep -v "Warning"
 fi
 echo "command: RECIPE=$RECIPE DPU_LAYERS=${DPU_LAYERS:-} tools/recipe_twin_gpu.sh $WHL $*"
