@@ -1,6 +1,7 @@
 """bin/bench scale on CPU at a tiny shape: the rows, their fields, the FLOP formula and the freeing between rows."""
 
 import json
+import statistics
 
 import pytest
 
@@ -48,6 +49,18 @@ def test_bench_scale_rows_on_cpu(tmp_path, capsys):
     assert exact["hidden_ms"] <= exact["cpu_step_ms"]
     assert rows["dpu"]["unavailable"] is None and rows["dpu"]["iter_ms"] > 0
     assert rows["dpu"]["delayed_steps"] == [3] and not exact["delayed_steps"]  # 2 exact warm-up steps, then delayed
+    # a delayed row's figure is its delayed steps' only (--warmup 1 would also time its second, exact, step)
+    assert rows["dpu"]["measured_from"] == 2 and exact["measured_from"] == 1
+    for r in (rows["dpu"], exact):
+        assert r["iter_ms"] == statistics.median(r["step_ms"][r["measured_from"] :]) and len(r["step_ms"]) == 3
+
+
+def test_a_delayed_row_without_a_delayed_step_to_measure_says_so(tmp_path):
+    out = tmp_path / "scale.json"
+    assert scale.main([*TINY, "--rows", "dpu", "--dpu-warmup", "3", "--json", str(out)]) == 0
+    (row,) = json.load(open(out))["rows"]
+    assert "--warmup 1 --iters 2 measure no delayed step of the dpu row" in row["unavailable"]
+    assert "raise --iters above 2" in row["unavailable"]
 
 
 def test_each_model_is_freed_before_the_next(monkeypatch):

@@ -33,6 +33,8 @@ class Row:
     hidden_ms: float | None = None
     overrides: dict = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # every iteration's, warm-up included
+    measured_from: int = 0  # the first iteration iter_ms is the median from (a delayed row's: its first delayed one)
     delayed_steps: list[int] = field(default_factory=list)
     setup_s: float = 0.0
     unavailable: str | None = None

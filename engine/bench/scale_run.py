@@ -96,16 +96,24 @@ def run_row(a: argparse.Namespace, name: str, shape, fraction: float | str, dpu:
     device = torch.device(a.device)
     t0 = time.perf_counter()
     cfg = row_config(a, shape, fraction, dpu, overrides, pin=pin)
+    # a delayed row's first steps are exact ones: measuring them would report the exact step under the delayed name
+    o = load_config(cfg).optimizer  # a config the engine refuses says so before this row's own check
+    exact_steps = o.delayed_param_update_warmup if o.delayed_param_update else 0
+    first = max(a.warmup, exact_steps)
+    if first >= a.warmup + a.iters:
+        raise ValueError(f"--warmup {a.warmup} --iters {a.iters} measure no delayed step of the {name} row (its first "
+                         f"{exact_steps} steps are exact: optimizer.delayed_param_update_warmup); raise --iters above "
+                         f"{exact_steps - a.warmup}")  # fmt: skip
     data = shape.batches(tokens, a.micro_batch, a.seed)
     if a.implementation == "megatron":  # megatron-core's GPTModel, built by the engine on the device in bf16
         cfg["model"].update(implementation="megatron", use_te=a.te)
         torch.manual_seed(a.seed)
         eng, _, _ = initialize(config=cfg, memory_budgets=budgets(a))
     else:  # a HF model's plan measures its first micro-batch (example_batch), which is then trained on
-        first = next(data) if shape.planned_at_a_batch else None
+        batch = next(data) if shape.planned_at_a_batch else None
         eng, _, _ = initialize(model=shape.build(device, a.seed, cfg), config=cfg, memory_budgets=budgets(a),
-                               example_batch=first)  # fmt: skip
-        data = data if first is None else itertools.chain([first], data)
+                               example_batch=batch)  # fmt: skip
+        data = data if batch is None else itertools.chain([batch], data)
     row.setup_s = time.perf_counter() - t0
     if eng.planned is not None:  # the plan the pre-flight accepted (on a CPU run its "GPU" is the host too)
         planned = eng.planned[1]
@@ -127,10 +135,11 @@ def run_row(a: argparse.Namespace, name: str, shape, fraction: float | str, dpu:
         if eng.last_step_delayed:
             row.delayed_steps.append(eng.iteration)
         timing = opt.cpu_step_timing()
-        if timing is not None and i > a.warmup:  # the previous step's, with this step's GPU waits for it
+        if timing is not None and i > first:  # the previous step's, with this step's GPU waits for it
             cpu_steps.append(timing)
     eng.synchronize()
-    row.iter_ms = 1e3 * statistics.median(times[a.warmup :])
+    row.step_ms, row.measured_from = [1e3 * t for t in times], first
+    row.iter_ms = statistics.median(row.step_ms[first:])
     row.tokens_per_s = a.global_batch * shape.seq / (row.iter_ms / 1e3)
     row.tflops = row.tokens_per_s * shape.flops_per_token()["total"] / 1e12
     row.peak_gpu_bytes = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
