@@ -34,7 +34,6 @@ fi
 # the recipe -> bench scale's flags (shape, batch, lr) and the deep rows' overrides (every other model/optimizer
 # key the recipe writes); --fraction is a placeholder the overrides replace (the plan's fraction of the deep
 # shape at fp32 states, which bench scale would otherwise look for first, does not exist for such a recipe)
-# (DPU: the delayed row alone, named dpu-N, at N layers)
 bench_args() {  # $1: "" (the twin and both deep rows) or N (the delayed row alone at N layers)
   python3 - "$RECIPE" "${TWIN_LAYERS:-16}" "$1" <<'PY'
 import json, sys
