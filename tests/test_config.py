@@ -545,7 +545,13 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["optimizer.exp_avg_dtype=fp8"], 1, r"optimizer\.exp_avg_dtype=\"fp8\": fp8 states are not built here"),
         (["optimizer.exp_avg_dtype=bf16"], 1, r"needs optimizer\.use_precision_aware_optimizer=true"),
         (["optimizer.exp_avg_sq_dtype=fp16", "optimizer.use_precision_aware_optimizer=true"], 1,
-         r"optimizer\.exp_avg_sq_dtype=\"fp16\": fp16 second moments are stored unscaled here and underflow"),
+         r"optimizer\.exp_avg_sq_dtype=\"fp16\": fp16 moments are stored unscaled here: the second moments of "
+         r"small gradients underflow to 0"),
+        (["optimizer.exp_avg_dtype=fp16", "optimizer.use_precision_aware_optimizer=true"], 1,
+         r"optimizer\.exp_avg_dtype=\"fp16\": fp16 moments are stored unscaled here: small first moments lose "
+         r"their precision .*; use 'bf16'"),
+        (["optimizer.exp_avg_dtype=fp16"], 1, r"optimizer\.exp_avg_dtype=\"fp16\": fp16 moments are stored "
+                                              r"unscaled"),  # the reason, not the switch: setting it would not help
         (["optimizer.exp_avg_sq_dtype=bf16", "optimizer.use_precision_aware_optimizer=true",
           "optimizer.cpu_offload_gpu_assist=true"], 1,
          r"optimizer\.exp_avg_sq_dtype=\"bf16\": does not combine with optimizer\.cpu_offload_gpu_assist=true"),

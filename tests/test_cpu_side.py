@@ -74,7 +74,7 @@ CASES = [  # (dtype, micro-batches, fraction, bound MiB, optimizer options)
     (torch.bfloat16, 2, 0.5, 2048, {"use_torch_optimizer_for_cpu_offload": True}),
     (torch.bfloat16, 2, 0.5, 2048, {"optimizer": "sgd", "momentum": 0.9, "lr": 1e-3}),
     (torch.bfloat16, 1, 1.0, 2048, {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16}),
-    (torch.bfloat16, 2, 0.5, 3, {"exp_avg_dtype": torch.float16, "exp_avg_sq_dtype": torch.float32}),
+    (torch.bfloat16, 2, 0.5, 3, {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.float32}),
     (torch.float32, 1, 1.0, 1, {"exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.bfloat16}),
     (torch.bfloat16, 2, 0.5, 2048, {"store_param_remainders": True}),
     (

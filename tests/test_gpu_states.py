@@ -108,7 +108,7 @@ def test_remainder_bit_equal_to_the_fp32_master(device, moments, small_slices):
         assert ((_bits(a["master"]).to(torch.int64) & 0xFFFF) == 0x8000)[differ].all(), n
 
 
-COMBOS = [(FP32, FP32, False), (BF16, BF16, False), (FP16, BF16, False), (FP32, FP32, True), (BF16, BF16, True)]
+COMBOS = [(FP32, FP32, False), (BF16, BF16, False), (BF16, FP32, False), (FP32, FP32, True), (BF16, BF16, True)]
 NAMES = {FP32: "fp32", BF16: "bf16", FP16: "fp16"}
 
 
@@ -214,18 +214,18 @@ def test_config_keys_act_at_fraction_0():
     from engine.optim.param_groups import named_parameter_groups
 
     model = tiny_gpt(dtype=BF16)
-    cfg = load_config({}, overrides=_config(0.0, FP16, BF16, True))
+    cfg = load_config({}, overrides=_config(0.0, BF16, FP32, True))
     opt = build_optimizer(named_parameter_groups(model, None, 0.0), cfg, model)
     opt._build()
     assert opt.cpu is None and isinstance(opt.gpu, NarrowGpuPart)
-    assert {m.dtype for m in opt.gpu.m.values()} == {FP16} and {v.dtype for v in opt.gpu.v.values()} == {BF16}
+    assert {m.dtype for m in opt.gpu.m.values()} == {BF16} and {v.dtype for v in opt.gpu.v.values()} == {FP32}
     assert set(opt.gpu.rem) == set(opt.gpu.params) and not opt.gpu.master
     opt.close()
     for extra, key in ((["optimizer.optimizer=sgd"], "optimizer.exp_avg_dtype"),
                        (["optimizer.use_precision_aware_optimizer=false"], "optimizer.store_param_remainders"),
                        (["optimizer.delayed_param_update=true"], "optimizer.delayed_param_update")):  # fmt: skip
         with pytest.raises(ConfigError) as e:
-            load_config({}, overrides=_config(0.0, FP16, BF16, True) + extra)
+            load_config({}, overrides=_config(0.0, BF16, FP32, True) + extra)
         lines = str(e.value).strip().splitlines()  # one line a problem, each naming its key and the fix
         assert any(line.startswith(key) for line in lines) and all("set " in line for line in lines), lines
 

@@ -7,10 +7,10 @@ sides with fused=True, param_update_in_fp32=True, overlap on. Prints one table: 
 (forward + backward + clip + step), that time over ours at f=0, peak GPU memory, the CPU step time,
 the loss difference from ours at f=0, and how many measured steps were clipped.
 
---forms adds our rows with narrow states (bin/bench cpass's forms: bf16/fp16 moments, block-wise 8-bit moments,
-the remainder master) at each fraction above 0; every row of ours states the CPU step's bytes per parameter
-through host memory (fused_kernel.pass_bytes) and the GB/s reached, against the DRAM floor measured in the same
-run (a torch copy of the same bytes, bin/bench cpass's).
+--forms adds our rows with narrow states (bin/bench cpass's forms the optimizer builds: bf16 moments, block-wise
+8-bit moments, the remainder master; fp16 moments are refused, stored unscaled) at each fraction above 0; every
+row of ours states the CPU step's bytes per parameter through host memory (fused_kernel.pass_bytes) and the GB/s
+reached, against the DRAM floor measured in the same run (a torch copy of the same bytes, bin/bench cpass's).
 
 Data: `--data stdlib` (default) trains on the bytes of Python's standard library sources (vocab 256),
 so the loss falls and gradient norms behave as in real training; `--data random` draws uniform
@@ -41,6 +41,16 @@ COMMAND = "bin/bench optimizer"
 # ours+assist: cpu_offload_gpu_assist=true (the GPU steps some host-resident units); ours+torch-cpu:
 # use_torch_optimizer_for_cpu_offload=true (torch's fused CPU AdamW instead of the C pass, no speculation)
 OURS = ("ours", "ours+assist", "ours+torch-cpu")
+
+
+def _refusal(form: str) -> str | None:
+    """Why the optimizer does not build cpass.FORMS's `form` (HybridOptions' own check: fp16 moments), or None."""
+    m_dtype, v_dtype, rem = FORMS[form]
+    try:
+        HybridOptions(lr=1e-3, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype, store_param_remainders=rem)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _megatron_available() -> bool:
@@ -190,11 +200,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--clip-grad", type=float, default=1.0)
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--data", choices=["stdlib", "random"], default="stdlib")
-    ap.add_argument("--forms", default="", help=f"our rows again with these CPU-side state forms ({', '.join(FORMS)})")
+    built = [f for f in FORMS if _refusal(f) is None]
+    ap.add_argument("--forms", default="", help=f"our rows again with these CPU-side state forms ({', '.join(built)})")
     a = ap.parse_args(argv)
     forms = [f for f in a.forms.split(",") if f]
     if bad := [f for f in forms if f not in FORMS]:
-        print(f"{COMMAND}: --forms {bad[0]!r} is not a state form; use some of {', '.join(FORMS)}", file=sys.stderr)
+        print(f"{COMMAND}: --forms {bad[0]!r} is not a state form; use some of {', '.join(built)}", file=sys.stderr)
+        return 2
+    if refused := [(f, why) for f in forms if (why := _refusal(f))]:
+        print(f"{COMMAND}: --forms {refused[0][0]!r}: {refused[0][1]}", file=sys.stderr)
         return 2
     if refusal := no_cuda(COMMAND):
         print(refusal, file=sys.stderr)

@@ -15,10 +15,10 @@ from engine.config.schema import default, show
 from engine.messages import (
     TE_NEEDS_CUDA,
     assist_needs_engine_adamw,
-    fp16_second_moments_explode,
     heads_divide_hidden,
     offloaded_layer_count,
     recomputed_layer_count,
+    unscaled_fp16_moments,
 )
 
 # --- cross-field rules: the reference's constraints first, then our own ----------------------------------
@@ -305,11 +305,10 @@ def _precision_aware_optimizer(c: SimpleNamespace, dp: int) -> Iterator[Problem]
     narrow = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(o, k) != "fp32"]
     for k in narrow:
         if getattr(o, k) == "fp8":
-            sixteen = "'bf16', 'fp16'" if k == "exp_avg_dtype" else "'bf16'"  # fp16 second moments: refused below
-            yield Problem(f"optimizer.{k}", f"fp8 states are not built here; use {sixteen} or "
-                          "'int8_blockwise' (block-wise 8-bit codes)")  # fmt: skip
-        elif k == "exp_avg_sq_dtype" and o.exp_avg_sq_dtype == "fp16":
-            yield Problem(f"optimizer.{k}", fp16_second_moments_explode("'bf16'"))
+            yield Problem(f"optimizer.{k}", "fp8 states are not built here; use 'bf16' or 'int8_blockwise' "
+                          "(block-wise 8-bit codes)")  # fmt: skip
+        elif getattr(o, k) == "fp16":  # before the switch's rule: setting the switch would not make it work
+            yield Problem(f"optimizer.{k}", unscaled_fp16_moments(k.removesuffix("_dtype"), "'bf16'"))
         elif not o.use_precision_aware_optimizer:
             yield Problem(f"optimizer.{k}", "needs optimizer.use_precision_aware_optimizer=true (as in megatron); "
                           f"set it, or set optimizer.{k}='fp32'")  # fmt: skip

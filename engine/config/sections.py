@@ -178,7 +178,7 @@ class OptimizerConfig:
     """dtype of the main gradients."""
 
     exp_avg_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8_blockwise"] = "fp32"
-    """dtype of Adam's exp_avg on both parts of the split (needs use_precision_aware_optimizer): bf16/fp16 are..."""
+    """dtype of Adam's exp_avg on both parts of the split (needs use_precision_aware_optimizer): bf16 is stored..."""
 
     exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8_blockwise"] = "fp32"
     """dtype of Adam's exp_avg_sq on both parts of the split (needs use_precision_aware_optimizer), as..."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.messages import fp16_second_moments_explode
+from engine.messages import unscaled_fp16_moments
 from engine.optim import blockwise
 from engine.optim.delayed import DEFAULT_WARMUP
 
@@ -82,7 +82,8 @@ def whole_number(name: str, value: object) -> int:
     return value
 
 
-# the moments' storage: torch dtypes, or blockwise.CODES (torch.uint8) for the block-wise 8-bit form
+# the moments' storage: torch dtypes, or blockwise.CODES (torch.uint8) for the block-wise 8-bit form; fp16 is
+# listed so that HybridOptions refuses it with its reason (messages.unscaled_fp16_moments) instead of as unknown
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, blockwise.CODES)
 STATE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                blockwise.NAME: blockwise.CODES}  # the config's names  # fmt: skip
@@ -140,9 +141,10 @@ class HybridOptions:
                 raise ValueError(f"{name} (optimizer.{name})={dtype} is the engine's own AdamW's: set "
                                  "optimizer.optimizer='adam', use_torch_optimizer_for_cpu_offload=false and "
                                  f"cpu_offload_gpu_assist=false, or {name}='fp32'")  # fmt: skip
-        if self.exp_avg_sq_dtype == torch.float16:
-            raise ValueError(f"exp_avg_sq_dtype (optimizer.exp_avg_sq_dtype)=torch.float16: "
-                             f"{fp16_second_moments_explode('torch.bfloat16')}")  # fmt: skip
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) == torch.float16:
+                raise ValueError(f"{name} (optimizer.{name})=torch.float16: "
+                                 f"{unscaled_fp16_moments(name.removesuffix('_dtype'), 'torch.bfloat16')}")  # fmt: skip
         if self.store_param_remainders:
             clash = [k for k, on in (("optimizer='sgd'", self.optimizer != "adam"),
                                      ("use_torch_optimizer_for_cpu_offload", self.use_torch_optimizer_for_cpu_offload),
