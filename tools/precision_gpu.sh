@@ -7,7 +7,8 @@
 #     H200 + 125 GiB with bf16 CPU-side moments) for its 10 iterations: the losses printed last.
 # PART=rem instead: the 8 B rows only, with one more, bf16 states + the remainder master
 # (optimizer.store_param_remainders: 8 B per CPU-stepped parameter on the host instead of 12), no ceiling run
-# (about 5-6 minutes: a 450 s guard). PART=rem1: the twin and the bf16 states + remainder row only.
+# (about 5-6 minutes: a 450 s guard). PART=rem1: the twin and the bf16 states + remainder row only (on an 80 GB
+# card: the 24-layer stand-in against a 12-layer twin, with the fp32 exact row).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
 #   tools/precision_gpu.sh [WHEEL_DIR=.whl]        PART=rem tools/precision_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (a check of the script at tiny shapes): PRECISION_TINY=1 tools/precision_gpu.sh
@@ -30,8 +31,17 @@ else
   CEILING=()
 fi
 if [ "${PART:-all}" = rem1 ]; then  # the twin and bf16 states + remainder only (about 3.5 minutes)
-  echo "== 8 B at f=0.3 exact: bf16 states + remainder master, and the 16-layer twin"
-  timeout 300 python3 bin/bench scale --rows fit --variant "bf16-states+rem:$NARROW,optimizer.store_param_remainders=true" \
+  ROWS=fit
+  # an 80 GB card holds neither 8 B at f=0.3 nor its 16-layer twin: the same width at 24 layers against a 12-layer
+  # twin keeps the CPU step's share of an iteration (both scale with depth), with the fp32 exact row beside it
+  if [ "${PRECISION_TINY:-0}" != 1 ] && [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
+      | head -1)" -lt 100000 ]; then
+    SCALE=(--layers 24 --layers-fit 12); ROWS=fit,exact
+    echo "== under 100 GB of GPU memory: the 4.84 B stand-in (hidden 4096 x 24, twin 12 layers) at f=0.3"
+  fi
+  echo "== f=0.3 exact: bf16 states + remainder master, and the fitting twin"
+  timeout 300 python3 bin/bench scale --rows $ROWS \
+    --variant "bf16-states+rem:$NARROW,optimizer.store_param_remainders=true" \
     --json "$OUT/scale_rem1.json" "${SCALE[@]}" 2>&1 | tee "$OUT/scale_rem1.log"
   echo "command: PART=rem1 tools/precision_gpu.sh $WHL"
   exit 0
