@@ -81,6 +81,28 @@ def test_c_pass_rounds_each_moment_as_torch_does(dtype):
     assert torch.equal(m, wide[1].to(dtype)) and torch.equal(v, wide[2].to(dtype))
 
 
+
+def test_c_rounding_to_bf16_keeps_nans_nans_and_rounds_the_rest_as_torch():
+    """The half weights the fp32 pass writes: a NaN whose low bits are set stays a NaN (a rounding bias added to it
+    would carry into the sign and make it -0), an infinity stays one, the largest finite fp32 rounds to infinity
+    and the rest to nearest even, as torch converts them. lr 0 and zero moments keep each weight as it was."""
+    lib = _slice("c") and fused_kernel.load()
+    special = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC0FFFF, 0xFF80FFFF, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+               0x3F818000, 0x00008000, 0x80018000, 0x3F80FFFF]  # fmt: skip
+    n = 4096 + 5  # the vectorised body and a scalar tail
+    bits = torch.randint(0, 1 << 31, (n,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    bits[: len(special) * 300 : 300] = torch.tensor(special)  # spread over the body's lanes
+    bits[-len(special) :] = torch.tensor(special)
+    p = bits.to(torch.int32).view(torch.float32).clone()
+    want = p.bfloat16()
+    zeros = [torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)]
+    half = torch.empty(n, dtype=torch.bfloat16)
+    sc = adamw_scalars(Hyper(0.0, 0.9, 0.95, 1e-8, 0.0, 0.0), 1, 1.0, 1.0)
+    fused_kernel.adamw_slice(lib, 0, n, p, zeros[0], zeros[1], zeros[2], None, p, zeros[0], zeros[1], half, sc)
+    assert torch.equal(half.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(half[finite].view(torch.int16), want[finite].view(torch.int16))
+
 def _opt(model, fraction, m_dtype, v_dtype):
     opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(
         **HP, offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True, exp_avg_dtype=m_dtype,

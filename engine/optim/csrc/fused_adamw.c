@@ -49,9 +49,11 @@ static inline uint16_t f32_to_bf16(float f) {
     /* round to nearest even, NaN kept quiet: the same result as torch's .to(torch.bfloat16) */
     uint32_t u;
     memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t quiet_nan = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
+    /* a NaN takes no rounding bias (which could carry into the sign) and gets the quiet bit; as masks rather than a
+     * select, which gcc vectorises in 32-bit lanes instead of narrowing both candidates first */
+    const uint32_t nan = -(uint32_t)((int32_t)(u & 0x7fffffffu) > (int32_t)0x7f800000);
+    const uint32_t bias = (0x7fffu + ((u >> 16) & 1u)) & ~nan;
+    return (uint16_t)(((u + bias) >> 16) | (nan & 0x40u));
 }
 
 /* fp16: the compiler's _Float16 where it has one (gcc >= 12, clang), which vectorises; else the F16C
@@ -311,62 +313,91 @@ static inline void rem_split(float f, uint16_t *hi, int16_t *rem) {
     *hi = (uint16_t)((u >> 16) + ((u >> 15) & 1u)); /* round the high half up when the low half is >= 0x8000 */
 }
 
-/* inputs restrict as in adamw_loop: each element is read before its output is written, in place or not */
-static inline __attribute__((always_inline)) void narrow_loop(int64_t n, const void *restrict p,
-                                                              const int16_t *restrict rem, const void *restrict m,
-                                                              const void *restrict v, const void *restrict g,
-                                                              void *p_out, int16_t *rem_out, void *m_out, void *v_out,
-                                                              void *half_out, hyper_t h, const int pk, const int mk,
-                                                              const int vk, const int gk, const int hk,
-                                                              const int lerp_low, const int math) {
+/* Elements per narrow block: the fp32 master and moments of a block (3 x 2 KiB) stay in L1 between the widening,
+ * the update and the narrowing. */
+enum { NBLOCK = 512 };
+
+static inline __attribute__((always_inline)) void widen_loop(int64_t n, const uint16_t *restrict x,
+                                                             float *restrict out, const int k) {
+    for (int64_t i = 0; i < n; ++i) out[i] = load_as(x, i, k);
+}
+
+static inline __attribute__((always_inline)) void narrow_store_loop(int64_t n, const float *restrict x,
+                                                                    uint16_t *restrict out, const int k) {
+    for (int64_t i = 0; i < n; ++i) store_as(out, i, x[i], k);
+}
+
+/* gcc leaves a loop of bare fp16 conversions scalar: F16C's, 8 at a time, round to nearest even as the scalar
+ * conversion does */
+static void widen16(int64_t n, const void *x, float *out, int k) {
+    if (k == KIND_BF16) {
+        widen_loop(n, x, out, KIND_BF16);
+        return;
+    }
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))));
+#endif
+    widen_loop(n - i, (const uint16_t *)x + i, out + i, KIND_F16);
+}
+
+static void narrow16(int64_t n, const float *x, void *out, int k) {
+    if (k == KIND_BF16) {
+        narrow_store_loop(n, x, out, KIND_BF16);
+        return;
+    }
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    narrow_store_loop(n - i, x + i, (uint16_t *)out + i, KIND_F16);
+}
+
+static void rem_join_loop(int64_t n, const uint16_t *restrict hi, const int16_t *restrict rem, float *restrict out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = rem_join(hi[i], rem[i]);
+}
+
+static void rem_split_loop(int64_t n, const float *restrict x, uint16_t *restrict hi, int16_t *restrict rem) {
     for (int64_t i = 0; i < n; ++i) {
-        float gi = load_as(g, i, gk);
-        gi = gi * h.inv_scale;
-        gi = gi * h.coef;
-        float pi = pk == P_REM ? rem_join(((const uint16_t *)p)[i], rem[i]) : ((const float *)p)[i];
-        float mi = load_as(m, i, mk), vi = load_as(v, i, vk);
-        adamw_update(&pi, &mi, &vi, gi, &h, lerp_low, math);
-        if (pk == P_REM) {
-            uint16_t hi;
-            int16_t r;
-            rem_split(pi, &hi, &r);
-            ((uint16_t *)p_out)[i] = hi;
-            rem_out[i] = r;
-        } else {
-            ((float *)p_out)[i] = pi;
-            if (hk != KIND_NONE) store_as(half_out, i, pi, hk);
-        }
-        store_as(m_out, i, mi, mk);
-        store_as(v_out, i, vi, vk);
+        uint16_t a;
+        int16_t r;
+        rem_split(x[i], &a, &r);
+        hi[i] = a, rem[i] = r;
     }
 }
 
-#define NLM(PK, MK, VK, GK, HK, LOW, M) \
-    narrow_loop(n, p, rem, m, v, g, p_out, rem_out, m_out, v_out, half_out, h, PK, MK, VK, GK, HK, LOW, M)
-/* the narrow forms take the single-tensor arithmetic or the current fused one (MATH_FLOAT) only: each arithmetic
- * multiplies the instances compiled */
-#define NL(PK, MK, VK, GK, HK)                                                                                  \
-    (math == MATH_FLOAT ? NLM(PK, MK, VK, GK, HK, 0, MATH_FLOAT)                                               \
-     : lerp_low ? NLM(PK, MK, VK, GK, HK, 1, MATH_SINGLE) : NLM(PK, MK, VK, GK, HK, 0, MATH_SINGLE))
-#define N_HALF(PK, MK, VK, GK)                                                                                  \
-    (PK == P_REM ? NL(PK, MK, VK, GK, KIND_NONE)                                                                \
-     : half_kind == KIND_BF16 ? NL(PK, MK, VK, GK, KIND_BF16)                                                   \
-     : half_kind == KIND_F16  ? NL(PK, MK, VK, GK, KIND_F16)                                                    \
-                              : NL(PK, MK, VK, GK, KIND_NONE))
-#define N_G(PK, MK, VK)                                                                                         \
-    (g_kind == KIND_BF16 ? N_HALF(PK, MK, VK, KIND_BF16)                                                        \
-     : g_kind == KIND_F16 ? N_HALF(PK, MK, VK, KIND_F16) : N_HALF(PK, MK, VK, KIND_F32))
-#define N_V(PK, MK)                                                                                             \
-    (v_kind == KIND_BF16 ? N_G(PK, MK, KIND_BF16) : v_kind == KIND_F16 ? N_G(PK, MK, KIND_F16) : N_G(PK, MK, KIND_F32))
-#define N_M(PK)                                                                                                 \
-    (m_kind == KIND_BF16 ? N_V(PK, KIND_BF16) : m_kind == KIND_F16 ? N_V(PK, KIND_F16) : N_V(PK, KIND_F32))
-
+/* Block by block: each narrow state is widened into an fp32 block on the stack, the block is stepped by the fp32
+ * loop (adamw_plain) and narrowed back. Fused into the update's loop, the conversions make gcc vectorise 16 elements
+ * at a time (for the 16-bit loads) and spill the update's registers, which costs where the pass is bound by the
+ * cores rather than by DRAM (docs/BENCHMARKS.md). Each block is read whole before it is written, so outputs may
+ * alias inputs element for element. */
 static void narrow_dispatch(int64_t n, const void *p, const int16_t *rem, int p_kind, const void *m, int m_kind,
                             const void *v, int v_kind, const void *g, int g_kind, void *p_out, int16_t *rem_out,
                             void *m_out, void *v_out, void *half_out, int half_kind, hyper_t h, int lerp_low,
                             int math) {
-    if (p_kind == P_REM) N_M(P_REM);
-    else N_M(P_F32);
+    float bp[NBLOCK] __attribute__((aligned(64))), bm[NBLOCK] __attribute__((aligned(64))),
+        bv[NBLOCK] __attribute__((aligned(64)));
+    const int gsz = g_kind == KIND_F32 ? 4 : 2, rem_form = p_kind == P_REM;
+    const int m16 = m_kind != KIND_F32, v16 = v_kind != KIND_F32;
+    /* the remainder form's weight is its master's high half: no separate half copy */
+    const int hk = rem_form ? KIND_NONE : half_kind;
+    for (int64_t i = 0; i < n; i += NBLOCK) {
+        const int64_t len = n - i < NBLOCK ? n - i : NBLOCK;
+        if (rem_form) rem_join_loop(len, (const uint16_t *)p + i, rem + i, bp);
+        if (m16) widen16(len, (const uint16_t *)m + i, bm, m_kind);
+        if (v16) widen16(len, (const uint16_t *)v + i, bv, v_kind);
+        float *pb = rem_form ? bp : (float *)p + i, *mb = m16 ? bm : (float *)m + i, *vb = v16 ? bv : (float *)v + i;
+        float *po = rem_form ? bp : (float *)p_out + i, *mo = m16 ? bm : (float *)m_out + i;
+        float *vo = v16 ? bv : (float *)v_out + i;
+        adamw_plain(len, pb, mb, vb, (const char *)g + i * gsz, g_kind, NULL, po, mo, vo,
+                    hk == KIND_NONE ? NULL : (uint16_t *)half_out + i, hk, h, lerp_low, math);
+        if (rem_form) rem_split_loop(len, bp, (uint16_t *)p_out + i, rem_out + i);
+        if (m16) narrow16(len, bm, (uint16_t *)m_out + i, m_kind);
+        if (v16) narrow16(len, bv, (uint16_t *)v_out + i, v_kind);
+    }
 }
 
 static int bad_kinds(int p_kind, int m_kind, int v_kind, int g_kind, int half_kind, int m_max, int v_max) {
