@@ -81,7 +81,6 @@ def test_c_pass_rounds_each_moment_as_torch_does(dtype):
     assert torch.equal(m, wide[1].to(dtype)) and torch.equal(v, wide[2].to(dtype))
 
 
-
 def test_c_rounding_to_bf16_keeps_nans_nans_and_rounds_the_rest_as_torch():
     """The half weights the fp32 pass writes: a NaN whose low bits are set stays a NaN (a rounding bias added to it
     would carry into the sign and make it -0), an infinity stays one, the largest finite fp32 rounds to infinity
@@ -102,6 +101,7 @@ def test_c_rounding_to_bf16_keeps_nans_nans_and_rounds_the_rest_as_torch():
     assert torch.equal(half.isnan(), want.isnan())
     finite = ~want.isnan()
     assert torch.equal(half[finite].view(torch.int16), want[finite].view(torch.int16))
+
 
 def _opt(model, fraction, m_dtype, v_dtype):
     opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(
