@@ -4,6 +4,7 @@ prototype, the cache key follows what the machine code depends on, failures say 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import re
 import subprocess
@@ -126,6 +127,31 @@ def test_bench_cpass_rows(tmp_path):
     }  # 8-bit: + 2 x 4 B / 256 per moment
     for r in forms:
         assert r["gbs"] == pytest.approx(r["bytes_per_param"] * 70000 / r["s"] / 1e9) and r["floor_gbs"] > 0
+        assert (r["cores_gparams_s"] > 0) if r["path"] == "c" else r["cores_gparams_s"] is None
+
+
+@pytest.mark.parametrize("form", ["fp32", "bf16-m/v+remainder", "int8-m/v"])
+def test_bench_cores_rate_steps_as_the_slice_functions_do(form):
+    """The in-cache rate's prepared call (its arguments built once) is the call the engine's slice functions
+    make: the same step, bit for bit."""
+    from engine.bench import cpass
+
+    lib = fused_kernel.load()
+    if lib is None:
+        pytest.skip(f"the C pass did not build here: {fused_kernel.status()}")
+    n = 3 * 256 + 7
+    a = cpass._form_step(n, form, torch.randn(n).bfloat16(), torch.Generator().manual_seed(2))
+    clones = {}  # one clone per distinct tensor: an in-place step's outputs stay its inputs
+    fields = [f.name for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), torch.Tensor)]
+    b = dataclasses.replace(a, **{k: clones.setdefault(id(getattr(a, k)), getattr(a, k).clone()) for k in fields})
+    cpass._prepared(lib, a)()
+    if form == "fp32":
+        fused_kernel.adamw_slice(lib, 0, n, b.p, b.m, b.v, b.g, None, b.p_out, b.m_out, b.v_out, b.half_out, b.scalars)
+    else:
+        fused_kernel.narrow_slice(lib, 0, n, b)
+    for k in fields:
+        assert torch.equal(getattr(a, k), getattr(b, k)), k
+    assert not torch.equal(a.m.float(), cpass._form_step(n, form, a.g, torch.Generator().manual_seed(2)).m.float())
 
 
 def test_pass_bytes_by_hand():

@@ -14,7 +14,9 @@ Then the state forms (--forms): fp32, bf16/fp16 moments, block-wise 8-bit moment
 master (store_param_remainders), each
 stepped in place by the C pass and by the torch-ops fallback, with the bytes per parameter the pass moves
 through host memory (fused_kernel.pass_bytes), the GB/s that makes, and the DRAM floor measured in the same
-run: a torch copy moving the same bytes (half read, half written) at the same threads.
+run: a torch copy moving the same bytes (half read, half written) at the same threads. Beside it, the C pass's
+rate where DRAM does not bound it: each thread stepping its own cache-sized slice over and over (the cores'
+ceiling). The lower of the two says what limits the pass at that width: the cores or DRAM.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -157,6 +160,61 @@ def dram_floor_gbs(nbytes: int, threads: int, reps: int) -> float:
     return 2 * src.numel() / _median_s(lambda: dst.copy_(src), reps) / 1e9
 
 
+CACHE_SLICE = 1 << 16  # elements a thread steps over and over: ~1.2-2 MB of states, resident in L2/L3
+
+
+def _form_step(numel: int, form: str, grad16: torch.Tensor, gen: torch.Generator) -> TensorStep:
+    """One in-place TensorStep of `form` over numel parameters, with the gradient grad16 (numel long)."""
+    m_dtype, v_dtype, rem = FORMS[form]
+    p = torch.randn(numel, generator=gen)
+    m, ms = _moment(torch.randn(numel, generator=gen).mul_(1e-3), m_dtype, True)
+    v, vs = _moment(torch.rand(numel, generator=gen).mul_(1e-6), v_dtype, False)
+    scalars = adamw_scalars(HYPER, 2, 1.0, 1.0)
+    scales = (ms, vs, ms, vs)
+    if rem:
+        w, r = remainder.split(p)
+        return TensorStep(w, m, v, grad16, w, m, v, None, scalars, r, r, *scales)
+    half = torch.empty(numel, dtype=torch.bfloat16)
+    return TensorStep(p, m, v, grad16, p, m, v, half, scalars, None, None, *scales)
+
+
+def cores_rate(lib, form: str, threads: int, reps: int, calls: int = 100) -> float:
+    """G params/s of the C pass with DRAM out of the way: each of `threads` threads steps its own CACHE_SLICE
+    `calls` times in a row (the GIL is released inside each call); the median over reps after a warm-up."""
+    gen = torch.Generator().manual_seed(1)
+    grad16 = torch.randn(CACHE_SLICE, generator=gen).bfloat16()
+    steps = [_form_step(CACHE_SLICE, form, grad16, gen) for _ in range(threads)]
+    entries = [_prepared(lib, s) for s in steps]
+
+    def run(entry: Callable[[], int]) -> None:
+        for _ in range(calls):
+            entry()
+
+    with ThreadPoolExecutor(threads) as pool:
+        sec = _median_s(lambda: list(pool.map(run, entries)), reps)
+    return threads * CACHE_SLICE * calls / sec / 1e9
+
+
+def _prepared(lib, s: TensorStep) -> Callable[[], int]:
+    """The C call that steps all of s, its arguments built once: the slice functions' own Python per call, under
+    the GIL, would otherwise take longer than a cache-sized slice computes once several threads share it."""
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Callable[..., int]:
+            entry = getattr(lib, name)
+            return lambda *args: calls.append((entry, args)) or 0
+
+    n = s.p.numel()
+    if s.rem is not None or s.m.dtype != torch.float32 or s.v.dtype != torch.float32:
+        fused_kernel.narrow_slice(Recorder(), 0, n, s)
+    else:
+        fused_kernel.adamw_slice(Recorder(), 0, n, s.p, s.m, s.v, s.g, None, s.p_out, s.m_out, s.v_out,
+                                 s.half_out, s.scalars)  # fmt: skip
+    ((entry, args),) = calls
+    return lambda held=s: entry(*args)  # holds s: the arguments are raw pointers into its tensors
+
+
 def measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list[dict]:
     """One in-place step per form and path: bytes per parameter, GB/s and the copy floor of the same bytes."""
     before = torch.get_num_threads()
@@ -169,21 +227,11 @@ def measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list
 def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     grad16 = torch.randn(numel, generator=g).bfloat16()
-    scalars = adamw_scalars(HYPER, 2, 1.0, 1.0)
     lib = fused_kernel.load()
     rows = []
     for form in forms:
         m_dtype, v_dtype, rem = FORMS[form]
-        p = torch.randn(numel, generator=g)
-        m, ms = _moment(torch.randn(numel, generator=g).mul_(1e-3), m_dtype, True)
-        v, vs = _moment(torch.rand(numel, generator=g).mul_(1e-6), v_dtype, False)
-        scales = (ms, vs, ms, vs)
-        if rem:
-            w, r = remainder.split(p)
-            step = [TensorStep(w, m, v, grad16, w, m, v, None, scalars, r, r, *scales)]
-        else:
-            half = torch.empty(numel, dtype=torch.bfloat16)
-            step = [TensorStep(p, m, v, grad16, p, m, v, half, scalars, None, None, *scales)]
+        step = [_form_step(numel, form, grad16, g)]
         nbytes = fused_kernel.pass_bytes(m_dtype, v_dtype, grad16.dtype, None if rem else torch.bfloat16, rem)
         floor = dram_floor_gbs(round(nbytes * numel), threads, reps)
         for path, lib_ in (("c", lib), ("torch-ops", None)):
@@ -194,14 +242,20 @@ def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> lis
             sec = _median_s(lambda a=arith, s=step: a.step(s), reps)
             arith.close()
             gbs = nbytes * numel / sec / 1e9
+            cores = cores_rate(lib_, form, threads, reps) if lib_ is not None else None
             rows.append({"form": form, "path": path, "bytes_per_param": nbytes, "s": sec,
-                         "gparams_s": numel / sec / 1e9, "gbs": gbs, "floor_gbs": floor})  # fmt: skip
+                         "gparams_s": numel / sec / 1e9, "gbs": gbs, "floor_gbs": floor,
+                         "cores_gparams_s": cores})  # fmt: skip
     print(f"\n| state form | path | B/param through DRAM | G params/s | GB/s | DRAM floor GB/s (torch copy, same "
-          f"bytes, {threads} threads) | of floor |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          f"bytes, {threads} threads) | of floor | in cache G params/s (the cores' ceiling) | limit |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        cores = r["cores_gparams_s"]
+        # the lower ceiling, in parameters per second: DRAM's floor over the bytes, or the cores' in-cache rate
+        limit = "-" if cores is None else "cores" if cores * r["bytes_per_param"] < r["floor_gbs"] else "DRAM"
         print(f"| {r['form']} | {r['path']} | {r['bytes_per_param']:g} | {r['gparams_s']:.2f} | {r['gbs']:.1f} | "
-              f"{r['floor_gbs']:.1f} | {r['gbs'] / r['floor_gbs']:.0%} |")  # fmt: skip
+              f"{r['floor_gbs']:.1f} | {r['gbs'] / r['floor_gbs']:.0%} | "
+              f"{'-' if cores is None else f'{cores:.2f}'} | {limit} |")  # fmt: skip
     return rows
 
 
