@@ -206,11 +206,11 @@ def _prepared(lib, s: TensorStep) -> Callable[[], int]:
             return lambda *args: calls.append((entry, args)) or 0
 
     n = s.p.numel()
-    if s.rem is not None or s.m.dtype != torch.float32 or s.v.dtype != torch.float32:
+    if s.narrow:
         fused_kernel.narrow_slice(Recorder(), 0, n, s)
     else:
         fused_kernel.adamw_slice(Recorder(), 0, n, s.p, s.m, s.v, s.g, None, s.p_out, s.m_out, s.v_out,
-                                 s.half_out, s.scalars)  # fmt: skip
+                                 s.half_out, s.scalars, device=s.device)  # fmt: skip
     ((entry, args),) = calls
     return lambda held=s: entry(*args)  # holds s: the arguments are raw pointers into its tensors
 

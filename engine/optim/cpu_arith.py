@@ -63,6 +63,11 @@ class TensorStep:
         return all(o is i for o, i in pairs)
 
     @property
+    def narrow(self) -> bool:
+        """A state is narrower than fp32 (a 16-bit or coded moment, the remainder master): the narrow pass steps it."""
+        return self.m.dtype != torch.float32 or self.v.dtype != torch.float32 or self.rem is not None
+
+    @property
     def coded(self) -> bool:
         """A moment is held as block-wise 8-bit codes (slices then start on a block boundary)."""
         return self.ms is not None or self.vs is not None
@@ -165,7 +170,7 @@ class FusedAdamW:
     def step(self, steps: list[TensorStep]) -> None:
         futs: list[Future] = []
         for s in steps:
-            if s.m.dtype != torch.float32 or s.v.dtype != torch.float32 or s.rem is not None:
+            if s.narrow:
                 numel = s.p.numel()
                 chunk = -(-max(_MIN_SLICE, -(-numel // self.threads)) // blockwise.BLOCK) * blockwise.BLOCK
                 for a in range(0, numel, chunk):
