@@ -14,21 +14,23 @@ Then the state forms (--forms): fp32, bf16/fp16 moments, block-wise 8-bit moment
 master (store_param_remainders), each
 stepped in place by the C pass and by the torch-ops fallback, with the bytes per parameter the pass moves
 through host memory (fused_kernel.pass_bytes), the GB/s that makes, and the DRAM floor measured in the same
-run: a torch copy moving the same bytes (half read, half written) at the same threads. Beside it, the C pass's
-rate where DRAM does not bound it: each thread stepping its own cache-sized slice over and over (the cores'
-ceiling). The lower of the two says what limits the pass at that width: the cores or DRAM.
+run: an in-place torch pass over the same bytes (each read once and written once, as the C pass treats its
+states) at the same threads. Beside it, the C pass's rate where DRAM does not bound it: each of --threads
+processes stepping its own cache-sized slice over and over (the cores' ceiling). The lower of the two says what
+limits the pass at that width: the cores or DRAM.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -153,11 +155,12 @@ def _moment(x: torch.Tensor, dtype: torch.dtype, signed: bool) -> tuple[torch.Te
 
 
 def dram_floor_gbs(nbytes: int, threads: int, reps: int) -> float:
-    """GB/s of a torch copy that moves nbytes through host memory (nbytes/2 read, nbytes/2 written)."""
-    src = torch.ones(max(1, nbytes // 2), dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    """GB/s of an in-place torch pass that moves nbytes through host memory (nbytes/2 read, then written back).
+    Not a copy: a copy's destination lines are read before they are written (write-allocate), so it moves 1.5x
+    the bytes it is credited with and sits below what a pass that writes back what it read can reach."""
+    buf = torch.zeros(max(1, nbytes // 8), dtype=torch.int32)
     torch.set_num_threads(threads)
-    return 2 * src.numel() / _median_s(lambda: dst.copy_(src), reps) / 1e9
+    return 2 * 4 * buf.numel() / _median_s(lambda: buf.add_(1), reps) / 1e9
 
 
 CACHE_SLICE = 1 << 16  # elements a thread steps over and over: ~1.2-2 MB of states, resident in L2/L3
@@ -179,19 +182,38 @@ def _form_step(numel: int, form: str, grad16: torch.Tensor, gen: torch.Generator
 
 
 def cores_rate(lib, form: str, threads: int, reps: int, calls: int = 100) -> float:
-    """G params/s of the C pass with DRAM out of the way: each of `threads` threads steps its own CACHE_SLICE
-    `calls` times in a row (the GIL is released inside each call); the median over reps after a warm-up."""
+    """G params/s of the C pass with DRAM out of the way: each of `threads` forked processes steps its own
+    CACHE_SLICE `calls` times in a row, all started together; per rep the slowest process's time, the median over
+    reps after a warm-up. Processes, not threads: threads of one interpreter take the GIL for each call's ctypes
+    arguments, which at a dozen threads or more outlasts a cache-sized slice's compute."""
     gen = torch.Generator().manual_seed(1)
     grad16 = torch.randn(CACHE_SLICE, generator=gen).bfloat16()
-    steps = [_form_step(CACHE_SLICE, form, grad16, gen) for _ in range(threads)]
-    entries = [_prepared(lib, s) for s in steps]
+    # built before the fork: the children run only the prepared ctypes calls, never torch's thread pool
+    entries = [_prepared(lib, _form_step(CACHE_SLICE, form, grad16, gen)) for _ in range(threads)]
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Barrier(threads)
+    pipes = [ctx.Pipe(duplex=False) for _ in entries]
 
-    def run(entry: Callable[[], int]) -> None:
-        for _ in range(calls):
-            entry()
+    def work(entry: Callable[[], int], conn) -> None:
+        entry()  # warm-up: the slice's pages become this process's own
+        times = []
+        for _ in range(reps):
+            start.wait()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                entry()
+            times.append(time.perf_counter() - t0)
+        conn.send(times)
 
-    with ThreadPoolExecutor(threads) as pool:
-        sec = _median_s(lambda: list(pool.map(run, entries)), reps)
+    procs = [ctx.Process(target=work, args=(e, w), daemon=True) for e, (_, w) in zip(entries, pipes, strict=True)]
+    with warnings.catch_warnings():  # 3.12 warns of fork in a threaded process; the children take no locks
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for p in procs:
+            p.start()
+    times = [r.recv() for r, _ in pipes]
+    for p in procs:
+        p.join()
+    sec = statistics.median(max(rep) for rep in zip(*times, strict=True))
     return threads * CACHE_SLICE * calls / sec / 1e9
 
 
@@ -246,8 +268,9 @@ def _measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> lis
             rows.append({"form": form, "path": path, "bytes_per_param": nbytes, "s": sec,
                          "gparams_s": numel / sec / 1e9, "gbs": gbs, "floor_gbs": floor,
                          "cores_gparams_s": cores})  # fmt: skip
-    print(f"\n| state form | path | B/param through DRAM | G params/s | GB/s | DRAM floor GB/s (torch copy, same "
-          f"bytes, {threads} threads) | of floor | in cache G params/s (the cores' ceiling) | limit |")  # fmt: skip
+    print(f"\n| state form | path | B/param through DRAM | G params/s | GB/s | DRAM floor GB/s (in-place torch "
+          f"pass, same bytes, {threads} threads) | of floor | in cache G params/s (the cores' ceiling) "
+          "| limit |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cores = r["cores_gparams_s"]

@@ -10,7 +10,8 @@ the loss difference from ours at f=0, and how many measured steps were clipped.
 --forms adds our rows with narrow states (bin/bench cpass's forms the optimizer builds: bf16 moments, block-wise
 8-bit moments, the remainder master; fp16 moments are refused, stored unscaled) at each fraction above 0; every
 row of ours states the CPU step's bytes per parameter through host memory (fused_kernel.pass_bytes) and the GB/s
-reached, against the DRAM floor measured in the same run (a torch copy of the same bytes, bin/bench cpass's).
+reached, against the DRAM floor measured in the same run (an in-place torch pass over the same bytes, as bin/bench
+cpass measures it).
 
 Data: `--data stdlib` (default) trains on the bytes of Python's standard library sources (vocab 256),
 so the loss falls and gradient norms behave as in real training; `--data random` draws uniform
@@ -156,8 +157,8 @@ def _run(kind: str, fraction: float, model, init_state, data, a, form: str = "fp
 
 
 def _floor(results: list[dict], a) -> float:
-    """The host's DRAM floor in GB/s: a torch copy of the bytes the largest CPU step moves (at most 8 GB), at the
-    CPU step's threads, measured now (after the runs, so it does not compete with them)."""
+    """The host's DRAM floor in GB/s: an in-place torch pass over the bytes the largest CPU step moves (at most
+    8 GB), at the CPU step's threads, measured now (after the runs, so it does not compete with them)."""
     moved = max((r["cpu_params"] * r["pass_bytes"] for r in results if r["pass_bytes"]), default=1 << 30)
     return dram_floor_gbs(min(moved, 8 << 30), a.cpu_threads or default_cpu_threads(), 3)
 

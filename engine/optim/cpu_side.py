@@ -42,7 +42,7 @@ from engine.optim.cpu_arith import CpuArith, FusedAdamW, TorchOptimizers, UnitSt
 from engine.optim.cpu_transfer import Transfers
 from engine.optim.gpu_assist import GpuAssist
 from engine.optim.host_buffers import FlatViews
-from engine.optim.host_state import HostState, Layout, Spare
+from engine.optim.host_state import HostState, Layout, RingSlot, Spare
 
 
 @dataclass(frozen=True)
@@ -402,19 +402,27 @@ class CpuPart:
         return ok
 
     def _cpu_units(self, step: _Step) -> float:
-        """The CPU threads' share: step units from the queue until none are left; returns arithmetic seconds."""
+        """The CPU threads' share: step units from the queue until none are left; returns arithmetic seconds (the
+        waits for a unit's weights to come back included)."""
         go, compute = step.go, 0.0
-        while (u := step.take()) is not None:
-            todo = [n for n in self.units[u] if n in go.grads]
+        # the remainder form reads each unit's weights back before stepping it: with no guesses to commit (which
+        # step out of the same ring), the next unit's read-back runs over PCIe while this unit steps
+        ahead = self.host.remainders and len(self.host.ring) >= 2 and not step.guesses
+        nxt = self._claim(step, ahead)
+        while nxt is not None:
+            u, todo, slot, back = nxt
+            nxt = self._claim(step, ahead)
             if todo:
                 self.copies.wait_d2h(todo)
                 t = time.perf_counter()
                 if not self._commit(u, todo, step):
-                    slot = self.host.take_ring() if self.host.ring else None
+                    if slot is None and self.host.ring:
+                        slot = self.host.take_ring()
+                        if self.host.remainders:
+                            back = self._weights_back(u, todo, slot, go.bwd_done, ahead=False)
                     half = self.host.half_views(slot.half, u) if slot is not None else None
-                    if self.host.remainders:  # the masters' high halves are the model's weights: read them back
-                        self.copies.weights_to_host([self.params[n] for n in todo], [half[n] for n in todo],
-                                                    go.bwd_done)  # fmt: skip
+                    if back is not None:
+                        back.synchronize()
                     self.arith.step_unit(UnitStep(u, todo, go.grads, go.hypers, go.inv_scale, go.coef, half))
                     compute += time.perf_counter() - t
                     ev = self._upload(u, todo, half if half is not None else self._masters(todo), go.bwd_done)
@@ -424,6 +432,28 @@ class CpuPart:
                     self.host.steps[n] += 1
             self.ready[u].set()
         return compute
+
+    def _claim(
+        self, step: _Step, ahead: bool
+    ) -> tuple[str, list[str], RingSlot | None, torch.cuda.Event | None] | None:
+        """The next unit from the queue (None when none is left) and the names it steps; with ahead, also its ring
+        slot with its weights' read-back under way (the event the host waits for before it steps the unit)."""
+        u = step.take()
+        if u is None:
+            return None
+        todo = [n for n in self.units[u] if n in step.go.grads]
+        if not (ahead and todo):
+            return u, todo, None, None
+        slot = self.host.take_ring(wait=False)
+        return u, todo, slot, self._weights_back(u, todo, slot, step.go.bwd_done, ahead=True)
+
+    def _weights_back(self, u: str, todo: list[str], slot: RingSlot, bwd_done, ahead: bool) -> torch.cuda.Event | None:
+        """Read the unit's weights (the masters' high halves) back into its ring slot; ahead: ordered after the
+        slot's last upload on the GPU and not waited for (the event is returned), else waited for here."""
+        half = self.host.half_views(slot.half, u)
+        free, slot.read_by = (slot.read_by if ahead else None), None
+        return self.copies.weights_to_host([self.params[n] for n in todo], [half[n] for n in todo], bwd_done,
+                                           buffer_free=free, wait=not ahead)  # fmt: skip
 
     def _assist_units(self, step: _Step) -> int:
         """The GPU assist's share of the same queue; returns the number of units it stepped."""

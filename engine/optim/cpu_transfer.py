@@ -5,6 +5,8 @@
   weights up       upload(): on the H2D stream after the last backward (which may still read the weights
                    being replaced); the next forward's pre-hook makes the compute stream wait for the unit's
                    event (wait_unit), and the host must not rewrite the source before that event.
+  weights down     weights_to_host(): the remainder form's bf16 weights (the masters' high halves) into a
+                   weight-ring slot, on the D2H stream after the upload that last read the slot.
 Without CUDA both are plain host copies and there are no events.
 """
 
@@ -39,20 +41,28 @@ class Transfers:
                 ev.synchronize()
 
     def weights_to_host(self, params: list[torch.nn.Parameter], bufs: list[torch.Tensor],
-                        after: torch.cuda.Event | None) -> None:  # fmt: skip
-        """Copy each parameter into the 1-D host buffer beside it and wait for it: the remainder form's weights,
-        read after `after` (the last backward, which comes after the forward that waited for their upload), or
-        None: after what the D2H stream already follows (a unit's gradients shipped, so its forward)."""
+                        after: torch.cuda.Event | None, *, buffer_free: torch.cuda.Event | None = None,
+                        wait: bool = True) -> torch.cuda.Event | None:  # fmt: skip
+        """Copy each parameter into the 1-D host buffer beside it: the remainder form's weights, read after
+        `after` (the last backward, which comes after the forward that waited for their upload), or None: after
+        what the D2H stream already follows (a unit's gradients shipped, so its forward). buffer_free: the event
+        of the upload still reading bufs, which the copy follows on the GPU (no host wait). With wait, returns once
+        the copy is done; else returns its event, which the host synchronizes before it reads bufs."""
         if not self.cuda:
             for p, b in zip(params, bufs, strict=True):
                 b.copy_(p.detach().reshape(-1))
-            return
+            return None
         with torch.cuda.stream(self.d2h_stream):
-            if after is not None:
-                self.d2h_stream.wait_event(after)
+            for ev in (after, buffer_free):
+                if ev is not None:
+                    self.d2h_stream.wait_event(ev)
             for p, b in zip(params, bufs, strict=True):
                 b.copy_(p.detach().reshape(-1), non_blocking=True)
-            self.d2h_stream.record_event().synchronize()
+            done = self.d2h_stream.record_event()
+        if wait:
+            done.synchronize()
+            return None
+        return done
 
     def backward_done(self) -> torch.cuda.Event | None:
         return torch.cuda.current_stream().record_event() if self.cuda else None

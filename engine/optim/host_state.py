@@ -311,11 +311,12 @@ class HostState:
             self.grads[dtype] = FlatViews(self._flat_layout, dtype, self.pin_grads)
         return self.grads[dtype][name]
 
-    def take_ring(self) -> RingSlot:
-        """The next half-weight upload buffer, once the copy that last read it is done (driver thread only)."""
+    def take_ring(self, wait: bool = True) -> RingSlot:
+        """The next half-weight upload buffer (driver thread only), once the copy that last read it is done; or,
+        without wait, at once, its read_by left for the caller to order its own copy after on the GPU."""
         slot = self.ring[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.ring)
-        if slot.read_by is not None:
+        if wait and slot.read_by is not None:
             slot.read_by.synchronize()
             slot.read_by = None
         return slot
