@@ -371,3 +371,63 @@ def test_tiny_model_loss_after_200_steps_near_fp32_states():
         assert finals[remainders] < losses[0] - 0.5  # it learned
     print(f"final loss fp32 states {finals[False]:.4f}, remainder + bf16 moments {finals[True]:.4f}")
     assert abs(finals[True] / finals[False] - 1) < 0.01, finals
+
+
+class _Event:
+    """A stand-in for a CUDA event on CPU: what the read-ahead orders its copies after."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_next_units_weights_come_back_while_a_unit_steps_after_their_slots_upload():
+    """The remainder form's read-ahead, traced on CPU: each unit's weights are read back before the unit ahead of
+    it is stepped (not in series with its own step), into the ring slot the unit before that uploaded from, and
+    the copy is ordered after that upload (the event it is handed), which the host does not wait for."""
+    model = tiny_gpt(dtype=torch.bfloat16)
+    opt = _opt(model, 1.0, True, speculation_buffer_mb=0)  # no spares: no guesses share the ring
+    cpu, trace = opt.cpu, []
+    unit_of = {id(p): cpu.layout.unit_of[n] for n, p in cpu.params.items()}
+    back, up, step = cpu.copies.weights_to_host, cpu.copies.upload, cpu.arith.step_unit
+
+    def weights_to_host(params, bufs, after, *, buffer_free=None, wait=True):
+        back(params, bufs, after)
+        trace.append(("back", unit_of[id(params[0])], bufs[0].untyped_storage().data_ptr(), buffer_free, wait))
+        return None if wait else _Event("back")
+
+    def upload(unit, params, src, after):
+        up(unit, params, src, after)
+        ev = _Event(f"up {unit}")
+        trace.append(("up", unit, src[0].untyped_storage().data_ptr(), ev, None))
+        return ev
+
+    def step_unit(s):
+        trace.append(("step", s.unit, None, None, None))
+        step(s)
+
+    cpu.copies.weights_to_host, cpu.copies.upload, cpu.arith.step_unit = weights_to_host, upload, step_unit
+    assert len(cpu.host.ring) == 2 and len(cpu.units) > 3
+    for grads in _grads(model, 3):
+        opt.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.clip_and_step(0.05)
+    opt.close()
+    units = [u for kind, u, *_ in trace if kind == "step"]
+    assert len(units) == 3 * len(cpu.units)
+    last_upload = {}  # slot -> the event of the upload that last read it
+    for i, (kind, u, slot, ev, wait) in enumerate(trace):
+        if kind == "up":
+            last_upload[slot] = ev
+        if kind != "back":
+            continue
+        assert wait is False  # the host waits only when it steps the unit
+        assert ev is last_upload.get(slot), (u, ev)  # ordered after the slot's last upload, on the GPU
+        j = sum(kind_ == "step" for kind_, *_ in trace[:i])  # units stepped so far
+        m = units.index(u, j)  # the step this read-back is for
+        # issued before the unit ahead of it is stepped: one unit ahead of the arithmetic (a step's first unit
+        # has none ahead of it)
+        assert m == j + 1 or (m == j and m % len(cpu.units) == 0), (i, u, units[j : m + 1])

@@ -15,6 +15,8 @@ Lifecycle of one step for the parameters it owns:
                      (1.0), scale and hyperparameters is committed by swapping the unit's bank with the
                      spare; any other unit is stepped in place now (the fused pass on worker threads, GIL
                      released in the C call). Then the unit's weights go to the GPU on the H2D stream.
+                     With the remainder master and no guesses, the next unit's weights come back into the
+                     other weight-ring slot on the D2H stream while this unit steps.
   wait_unit(unit)    main thread, from the unit's forward pre-hook: the next forward waits for the
                      layer it is about to run, and only on the GPU (an event wait), not on the host.
                      Timing events around that wait measure how long the GPU stood still for the update
@@ -156,8 +158,9 @@ class CpuPart:
         pin_threads: bind the worker threads and the driver to cores (affinity.py).
 
         remainders: hold the master as the int16 remainders of the bf16 weights (remainder.py): each unit's
-        weights are read back from the model into the weight ring before its step (or into its spare's half
-        weights before a speculative one), stepped there with the remainders and uploaded from there."""
+        weights are read back from the model into the weight ring before its step (while the unit before it
+        steps, where no guesses share the ring; or into its spare's half weights before a speculative one),
+        stepped there with the remainders and uploaded from there."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
         self.group_of = {n: gi for n, _, gi, _ in entries}
