@@ -238,7 +238,7 @@ def _prepared(lib, s: TensorStep) -> Callable[[], int]:
 
 
 def measure_forms(numel: int, threads: int, reps: int, forms: list[str]) -> list[dict]:
-    """One in-place step per form and path: bytes per parameter, GB/s and the copy floor of the same bytes."""
+    """One in-place step per form and path: bytes per parameter, GB/s and the in-place floor of the same bytes."""
     before = torch.get_num_threads()
     try:
         return _measure_forms(numel, threads, reps, forms)
