@@ -7,6 +7,7 @@ import pytest
 
 from engine.bench import scale, scale_run
 from engine.models.gpt import GPT
+from engine.optim import fused_kernel
 
 TINY = ["--layers-fit", "1", "--layers", "2", "--hidden", "32", "--seq", "16", "--global-batch", "2",
         "--iters", "2", "--warmup", "1", "--data-bytes", "100000", "--device", "cpu", "--lr-warmup", "3"]  # fmt: skip
@@ -47,6 +48,9 @@ def test_bench_scale_rows_on_cpu(tmp_path, capsys):
     assert fit["cpu_step_ms"] is None and fit["host_engine_bytes"] == 0
     assert exact["cpu_step_ms"] is not None and exact["host_engine_bytes"] > 0
     assert exact["hidden_ms"] <= exact["cpu_step_ms"]
+    if fused_kernel.load() is not None:  # the C pass's bytes: fp32 states, bf16 weights, a bf16 or fp32 gradient
+        assert exact["cpu_pass_bytes"] in (28, 30) and exact["cpu_gbs"] > 0 and fit["cpu_gbs"] is None
+        assert f" ms ({exact['cpu_pass_bytes']:g} B, {exact['cpu_gbs']:.0f} GB/s) |" in text
     assert rows["dpu"]["unavailable"] is None and rows["dpu"]["iter_ms"] > 0
     assert rows["dpu"]["delayed_steps"] == [3] and not exact["delayed_steps"]  # 2 exact warm-up steps, then delayed
     # a delayed row's figure is its delayed steps' only (--warmup 1 would also time its second, exact, step)

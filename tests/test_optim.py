@@ -345,8 +345,13 @@ def test_step_timing_counts_guesses_commits_and_arithmetic():
     part of the arithmetic; nothing waits on a GPU without CUDA. Clipped, the guesses are made and none is used."""
     _, opt = _speculating_run(0.5, batches(3, micro=2))
     t, n = opt.cpu_step_timing(), len(opt.cpu.units)
+    cpu_params = sum(p.numel() for p in opt.cpu.params.values())
     assert t["speculated"] == t["committed"] == n
     assert 0 < t["speculated_s"] <= t["compute_s"] and t["gpu_wait_s"] == 0.0
+    assert t["stepped_params"] == cpu_params  # each unit stepped once: its guess
+    lib, (m, v), grads = fused_kernel.load(), opt.cpu.host.moment_dtypes, list(opt.cpu.host.grads)
+    expected = 0.0 if lib is None else fused_kernel.pass_bytes(m, v, grads[0], opt.cpu.host.half, False)
+    assert len(grads) == 1 and t["pass_bytes"] == expected
     model = tiny_gpt()
     opt = HybridDeviceOptimizer(groups(model, 0.1, named=True), HybridOptions(**HP, offload_fraction=0.5,
                                 overlap_cpu_optimizer_d2h_h2d=True))  # fmt: skip
@@ -355,4 +360,5 @@ def test_step_timing_counts_guesses_commits_and_arithmetic():
     run_hybrid(model, batches(1, micro=1), max_norm=1e-3, opt=opt)
     t = opt.cpu_step_timing()
     assert t["speculated"] == n and t["committed"] == 0
+    assert t["stepped_params"] == 2 * cpu_params  # each guess thrown away and the unit stepped again in place
     assert HybridDeviceOptimizer(groups(tiny_gpt(), 0.1, named=True), HybridOptions(**HP)).cpu_step_timing() is None

@@ -18,8 +18,10 @@ the next is built: two models at the default shape would not fit on one GPU toge
 Per row: median iteration time, tokens/s, model TFLOP/s (formula printed with the table), TFLOP/s over
 the fitting twin's, peak GPU memory, host memory (the engine's accounting and the process's RSS), and the
 CPU step, measured where it runs (engine.optim.cpu_side.StepTiming, medians over the measured steps):
-  CPU step     its arithmetic (host clock), and how much of it ran before the clip factor was known
-               (units guessed during backward, with the guesses committed of those made)
+  CPU step     its arithmetic (host clock), with the C pass's bytes per parameter through host memory and the
+               GB/s its parameters moved at (fused_kernel.pass_bytes: the pass's own bytes, not the PCIe copies'
+               share of DRAM); and how much of it ran before the clip factor was known (units guessed during
+               backward, with the guesses committed of those made)
   GPU waited   CUDA events around each CPU-stepped unit's wait: how long the compute stream stood still for
                the update (the next forward's pre-hooks, or a delayed update landing)
   hidden       CPU step - GPU waited: the arithmetic the GPU did not wait for

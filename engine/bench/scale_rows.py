@@ -26,6 +26,8 @@ class Row:
     plan_host_bytes: int | None = None
     cpu_params: int | None = None  # the parameters the CPU steps (the split is by whole tensors)
     cpu_step_ms: float | None = None
+    cpu_pass_bytes: float | None = None  # per parameter through host memory, the C pass's (cpu_side.StepTiming)
+    cpu_gbs: float | None = None  # the CPU step's GB/s through host memory: its parameters x pass bytes / its time
     speculated_ms: float | None = None
     guesses: str | None = None  # "committed/made" over the measured steps
     gpu_wait_ms: float | None = None
@@ -48,6 +50,11 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _dram(r: Row) -> str:
+    """' (18 B, 84 GB/s)': the CPU step's bytes per parameter through host memory and the rate it moved them."""
+    return "" if r.cpu_gbs is None else f" ({r.cpu_pass_bytes:g} B, {r.cpu_gbs:.0f} GB/s)"
+
+
 def table(rows: list[Row]) -> str:
     out = ["| run | layers | params | f | ms/iter | tokens/s | TFLOP/s | vs fit | peak GPU | host (engine) | host RSS "
            "| plan GPU | plan host | CPU step | before clip (guesses used) | GPU waited | hidden | exposed "
@@ -66,7 +73,7 @@ def table(rows: list[Row]) -> str:
         out.append(f"{head} {r.iter_ms:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.4g} | "
                    f"{'-' if r.vs_fit is None else f'{r.vs_fit:.0%}'} | {_gib(r.peak_gpu_bytes)} | "
                    f"{_gib(r.host_engine_bytes)} | {_gib(r.host_rss_bytes)} | {_gib(r.plan_gpu_bytes)} | "
-                   f"{_gib(r.plan_host_bytes)} | {ms(r.cpu_step_ms)} | {spec} | "
+                   f"{_gib(r.plan_host_bytes)} | {ms(r.cpu_step_ms)}{_dram(r)} | {spec} | "
                    f"{ms(r.gpu_wait_ms)} | {hid} | {ms(r.exposed_ms)} | "
                    f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f} |")  # fmt: skip
     return "\n".join(out)

@@ -150,6 +150,10 @@ def run_row(a: argparse.Namespace, name: str, shape, fraction: float | str, dpu:
         row.cpu_step_ms, row.speculated_ms, row.gpu_wait_ms = med("compute_s"), med("speculated_s"), med("gpu_wait_s")
         row.guesses = f"{sum(t['committed'] for t in cpu_steps):.0f}/{sum(t['speculated'] for t in cpu_steps):.0f}"
         row.hidden_ms = max(0.0, row.cpu_step_ms - row.gpu_wait_ms)
+        rates = [t["stepped_params"] * t["pass_bytes"] / t["compute_s"] for t in cpu_steps
+                 if t["pass_bytes"] and t["compute_s"] > 0]  # fmt: skip
+        if rates:
+            row.cpu_pass_bytes, row.cpu_gbs = cpu_steps[-1]["pass_bytes"], statistics.median(rates) / 1e9
     if hasattr(opt, "close"):
         opt.close()  # its hooks on the model hold it, and its threads and host buffers
     del eng, opt, data

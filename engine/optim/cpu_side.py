@@ -89,6 +89,9 @@ class StepTiming:
     gpu_wait_s    how long the GPU's compute stream stood at a CPU-stepped unit waiting for this update (the
                   next forward's pre-hooks, or a delayed update landing): the part of the step not hidden
     speculated, committed, assisted: units guessed during backward, guesses used, units the GPU assist stepped
+    stepped_params  parameters compute_s stepped (a guess not used counts twice: it is stepped again in place)
+    pass_bytes      bytes per parameter that arithmetic moves through host memory (fused_kernel.pass_bytes), 0 for
+                    torch's optimizers, whose passes are not counted here
     """
 
     speculated_s: float = 0.0
@@ -98,6 +101,8 @@ class StepTiming:
     speculated: int = 0
     committed: int = 0
     assisted: int = 0
+    stepped_params: int = 0
+    pass_bytes: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -334,7 +339,7 @@ class CpuPart:
     def _run(self) -> None:
         """One step on the driver thread: speculate on units as they arrive, then commit or compute in order."""
         guesses: dict[str, Guess] = {}
-        compute = 0.0
+        compute, stepped = 0.0, 0
         try:
             while True:
                 msg = self.q.get()
@@ -348,6 +353,7 @@ class CpuPart:
                     continue  # the clip factor is known: no more guessing
                 guess, seconds = self._speculate(msg)
                 compute += seconds
+                stepped += self.layout.numel[msg.unit] if guess is not None else 0
                 if guess is not None:
                     guesses[msg.unit] = guess
             t_run = time.perf_counter()
@@ -355,7 +361,8 @@ class CpuPart:
             # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist
             step = _Step(msg, guesses, deque(self.units))
             assisted = self.assist_thread.submit(self._assist_units, step) if self.assist_thread else None
-            compute += self._cpu_units(step)
+            seconds, params = self._cpu_units(step)
+            compute, stepped = compute + seconds, stepped + params
             n_assisted = 0
             if assisted is not None:
                 n_assisted = assisted.result()
@@ -363,7 +370,7 @@ class CpuPart:
             for g in step.guesses.values():  # guesses for units with nothing to step
                 self.host.spares.give_back(g.spare)
             self._last = StepTiming(speculated_s, compute, time.perf_counter() - t_run, 0.0, n_speculated,
-                                    step.committed, n_assisted)  # fmt: skip
+                                    step.committed, n_assisted, stepped, self.pass_bytes())  # fmt: skip
         finally:
             for e in self.ready.values():
                 e.set()
@@ -404,10 +411,10 @@ class CpuPart:
         self.host.spares.give_back(guess.spare)
         return ok
 
-    def _cpu_units(self, step: _Step) -> float:
+    def _cpu_units(self, step: _Step) -> tuple[float, int]:
         """The CPU threads' share: step units from the queue until none are left; returns arithmetic seconds (the
-        waits for a unit's weights to come back included)."""
-        go, compute = step.go, 0.0
+        waits for a unit's weights to come back included) and the parameters stepped."""
+        go, compute, stepped = step.go, 0.0, 0
         # the remainder form reads each unit's weights back before stepping it: with no guesses to commit (which
         # step out of the same ring), the next unit's read-back runs over PCIe while this unit steps
         ahead = self.host.remainders and len(self.host.ring) >= 2 and not step.guesses
@@ -428,13 +435,23 @@ class CpuPart:
                         back.synchronize()
                     self.arith.step_unit(UnitStep(u, todo, go.grads, go.hypers, go.inv_scale, go.coef, half))
                     compute += time.perf_counter() - t
+                    stepped += sum(self.params[n].numel() for n in todo)
                     ev = self._upload(u, todo, half if half is not None else self._masters(todo), go.bwd_done)
                     if slot is not None:
                         slot.read_by = ev
                 for n in todo:
                     self.host.steps[n] += 1
             self.ready[u].set()
-        return compute
+        return compute, stepped
+
+    def pass_bytes(self) -> float:
+        """Bytes per parameter the C pass moves through host memory for this part's state forms, with the gradients'
+        staging dtype (fused_kernel.pass_bytes); 0 for torch's optimizers, or before a gradient has arrived."""
+        if not isinstance(self.arith, FusedAdamW) or self.arith.lib is None or not self.host.grads:
+            return 0.0
+        grad = max(self.host.grads, key=lambda d: d.itemsize)
+        m, v = self.host.moment_dtypes
+        return fused_kernel.pass_bytes(m, v, grad, self.host.half, self.host.remainders)
 
     def _claim(
         self, step: _Step, ahead: bool
