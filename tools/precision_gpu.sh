@@ -8,7 +8,8 @@
 # PART=rem instead: the 8 B rows only, with one more, bf16 states + the remainder master
 # (optimizer.store_param_remainders: 8 B per CPU-stepped parameter on the host instead of 12), no ceiling run
 # (about 5-6 minutes: a 450 s guard). PART=rem1: the twin and the bf16 states + remainder row only (on an 80 GB
-# card: the 24-layer stand-in against a 12-layer twin, with the fp32 exact row).
+# card: the 24-layer stand-in against a 12-layer twin, with the fp32 exact row), then `bin/bench cpass` on the same host
+# (fp32 and bf16 m/v + remainder at 200 M parameters, CPASS_NUMEL; CPASS=0 leaves it out; about 1.5 minutes).
 # Usage, from the repo root on the device, carrying .whl (the jsonschema wheels the engine needs there):
 #   tools/precision_gpu.sh [WHEEL_DIR=.whl]        PART=rem tools/precision_gpu.sh [WHEEL_DIR=.whl]
 # On CPU (a check of the script at tiny shapes): PRECISION_TINY=1 tools/precision_gpu.sh
@@ -44,6 +45,12 @@ if [ "${PART:-all}" = rem1 ]; then  # the twin and bf16 states + remainder only 
     --variant "bf16-states+rem:$NARROW,optimizer.store_param_remainders=true" \
     --json "$OUT/scale_rem1.json" "${SCALE[@]}" 2>&1 | tee "$OUT/scale_rem1.log"
   echo "command: PART=rem1 tools/precision_gpu.sh $WHL"
+  if [ "${CPASS:-1}" = 1 ]; then  # the C pass alone on this host: its rate, the DRAM floor, the cores' ceiling
+    numel=${CPASS_NUMEL:-200000000}; [ "${PRECISION_TINY:-0}" = 1 ] && numel=100000
+    echo "== bin/bench cpass: the C pass alone on this host"
+    timeout 200 python3 bin/bench cpass --numel "$numel" --reps 3 --forms fp32,bf16-m/v+remainder \
+      --json "$OUT/cpass_rem1.json" 2>&1 | tee "$OUT/cpass_rem1.log" | grep "^|\|^command"
+  fi
   exit 0
 fi
 if [ "${PART:-all}" = rem ]; then
