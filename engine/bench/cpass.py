@@ -181,11 +181,14 @@ def _form_step(numel: int, form: str, grad16: torch.Tensor, gen: torch.Generator
     return TensorStep(p, m, v, grad16, p, m, v, half, scalars, None, None, *scales)
 
 
-def cores_rate(lib, form: str, threads: int, reps: int, calls: int = 100) -> float:
+def cores_rate(lib, form: str, threads: int, reps: int, calls: int = 100) -> float | None:
     """G params/s of the C pass with DRAM out of the way: each of `threads` forked processes steps its own
     CACHE_SLICE `calls` times in a row, all started together; per rep the slowest process's time, the median over
     reps after a warm-up. Processes, not threads: threads of one interpreter take the GIL for each call's ctypes
-    arguments, which at a dozen threads or more outlasts a cache-sized slice's compute."""
+    arguments, which at a dozen threads or more outlasts a cache-sized slice's compute. None where processes
+    cannot fork (Windows)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
     gen = torch.Generator().manual_seed(1)
     grad16 = torch.randn(CACHE_SLICE, generator=gen).bfloat16()
     # built before the fork: the children run only the prepared ctypes calls, never torch's thread pool
