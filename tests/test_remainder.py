@@ -383,13 +383,10 @@ class _Event:
         pass
 
 
-def test_next_units_weights_come_back_while_a_unit_steps_after_their_slots_upload():
-    """The remainder form's read-ahead, traced on CPU: each unit's weights are read back before the unit ahead of
-    it is stepped (not in series with its own step), into the ring slot the unit before that uploaded from, and
-    the copy is ordered after that upload (the event it is handed), which the host does not wait for."""
-    model = tiny_gpt(dtype=torch.bfloat16)
-    opt = _opt(model, 1.0, True, speculation_buffer_mb=0)  # no spares: no guesses share the ring
-    cpu, trace = opt.cpu, []
+def _trace_copies(cpu) -> list[tuple]:
+    """Record the CPU part's weight read-backs, uploads and unit steps in order: (kind, unit, the ring slot's
+    address, the event a read-back is ordered after / an upload's event, whether a read-back waits)."""
+    trace = []
     unit_of = {id(p): cpu.layout.unit_of[n] for n, p in cpu.params.items()}
     back, up, step = cpu.copies.weights_to_host, cpu.copies.upload, cpu.arith.step_unit
 
@@ -409,12 +406,27 @@ def test_next_units_weights_come_back_while_a_unit_steps_after_their_slots_uploa
         step(s)
 
     cpu.copies.weights_to_host, cpu.copies.upload, cpu.arith.step_unit = weights_to_host, upload, step_unit
-    assert len(cpu.host.ring) == 2 and len(cpu.units) > 3
-    for grads in _grads(model, 3):
+    return trace
+
+
+def _run_given(opt, model, steps: int) -> None:
+    for grads in _grads(model, steps):
         opt.zero_grad(set_to_none=True)
         for n, p in model.named_parameters():
             p.grad = grads[n]
         opt.clip_and_step(0.05)
+
+
+def test_next_units_weights_come_back_while_a_unit_steps_after_their_slots_upload():
+    """The remainder form's read-ahead, traced on CPU: each unit's weights are read back before the unit ahead of
+    it is stepped (not in series with its own step), into the ring slot the unit before that uploaded from, and
+    the copy is ordered after that upload (the event it is handed), which the host does not wait for."""
+    model = tiny_gpt(dtype=torch.bfloat16)
+    opt = _opt(model, 1.0, True, speculation_buffer_mb=0)  # no spares: no guesses
+    cpu = opt.cpu
+    trace = _trace_copies(cpu)
+    assert len(cpu.host.ring) == 2 and len(cpu.units) > 3
+    _run_given(opt, model, 3)
     opt.close()
     units = [u for kind, u, *_ in trace if kind == "step"]
     assert len(units) == 3 * len(cpu.units)
@@ -431,3 +443,43 @@ def test_next_units_weights_come_back_while_a_unit_steps_after_their_slots_uploa
         # issued before the unit ahead of it is stepped: one unit ahead of the arithmetic (a step's first unit
         # has none ahead of it)
         assert m == j + 1 or (m == j and m % len(cpu.units) == 0), (i, u, units[j : m + 1])
+
+
+@pytest.mark.parametrize("guessed", ["none", "every other", "every third", "all but the first"])
+def test_read_ahead_beside_units_left_to_their_guesses_never_reuses_a_held_slot(guessed, monkeypatch):
+    """Units with a guess get no read-ahead (their commit needs none); where the commit fails they take a ring slot
+    then, the one the unit claimed ahead does not hold. Traced over steps: a read-back only lands in a slot whose
+    last unit was uploaded, every unit steps in the slot its weights came back into, and the run stays bit-equal to
+    the fp32-master run."""
+    from engine.optim import cpu_side
+
+    pick = {"none": lambda i: False, "every other": lambda i: i % 2 == 1, "every third": lambda i: i % 3 == 0,
+            "all but the first": lambda i: i > 0}[guessed]  # fmt: skip
+    model = tiny_gpt(dtype=torch.bfloat16)
+    fp32 = _opt(model, 1.0, False, speculation_buffer_mb=0)
+    _run_given(fp32, model, 3)
+    expected = fp32.state_dict()["state"]
+    fp32.close()
+    model = tiny_gpt(dtype=torch.bfloat16)
+    opt = _opt(model, 1.0, True, speculation_buffer_mb=0)
+    order = list(opt.cpu.units)
+    # these units are taken for guessed ones: no read-ahead for them, and their commit finds no guess and fails
+    monkeypatch.setattr(cpu_side._Step, "has_guess", lambda self, u: pick(order.index(u)))
+    trace = _trace_copies(opt.cpu)
+    _run_given(opt, model, 3)
+    got = opt.state_dict()["state"]
+    opt.close()
+    held: dict[int, str | None] = {}  # slot -> the unit whose weights it holds until their upload
+    for kind, u, slot, *_ in trace:
+        if kind == "back":
+            assert held.get(slot) is None, (u, "read back into a slot", held.get(slot), "still holds")
+            held[slot] = u
+        elif kind == "step":
+            assert list(held.values()).count(u) == 1, u  # its weights are in one slot, untouched since
+        else:
+            assert held[slot] == u
+            held[slot] = None
+    assert sum(k == "step" for k, *_ in trace) == 3 * len(order)
+    for n, st in expected.items():
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(got[n][k]), _bits(st[k])), (n, k)

@@ -15,8 +15,8 @@ Lifecycle of one step for the parameters it owns:
                      (1.0), scale and hyperparameters is committed by swapping the unit's bank with the
                      spare; any other unit is stepped in place now (the fused pass on worker threads, GIL
                      released in the C call). Then the unit's weights go to the GPU on the H2D stream.
-                     With the remainder master and no guesses, the next unit's weights come back into the
-                     other weight-ring slot on the D2H stream while this unit steps.
+                     With the remainder master, the next unit's weights (unless it has a guess) come back
+                     into the other weight-ring slot on the D2H stream while this unit steps.
   wait_unit(unit)    main thread, from the unit's forward pre-hook: the next forward waits for the
                      layer it is about to run, and only on the GPU (an event wait), not on the host.
                      Timing events around that wait measure how long the GPU stood still for the update
@@ -122,6 +122,10 @@ class _Step:
         with self.lock:
             return self.units.popleft() if self.units else None
 
+    def has_guess(self, unit: str) -> bool:
+        with self.lock:
+            return unit in self.guesses
+
     def take_guess(self, unit: str) -> Guess | None:
         with self.lock:
             return self.guesses.pop(unit, None)
@@ -164,7 +168,7 @@ class CpuPart:
 
         remainders: hold the master as the int16 remainders of the bf16 weights (remainder.py): each unit's
         weights are read back from the model into the weight ring before its step (while the unit before it
-        steps, where no guesses share the ring; or into its spare's half weights before a speculative one),
+        steps; or into its spare's half weights before a speculative one),
         stepped there with the remainders and uploaded from there."""
         self.kind = kind
         self.params = {n: p for n, p, _, _ in entries}
@@ -415,19 +419,19 @@ class CpuPart:
         """The CPU threads' share: step units from the queue until none are left; returns arithmetic seconds (the
         waits for a unit's weights to come back included) and the parameters stepped."""
         go, compute, stepped = step.go, 0.0, 0
-        # the remainder form reads each unit's weights back before stepping it: with no guesses to commit (which
-        # step out of the same ring), the next unit's read-back runs over PCIe while this unit steps
-        ahead = self.host.remainders and len(self.host.ring) >= 2 and not step.guesses
-        nxt = self._claim(step, ahead)
+        # the remainder form reads each unit's weights back before stepping it: the next unit's read-back runs over
+        # PCIe while this unit steps (a unit with a guess is left to its commit, which needs no read-back)
+        ahead = self.host.remainders and len(self.host.ring) >= 2
+        nxt = self._claim(step, ahead, None)
         while nxt is not None:
             u, todo, slot, back = nxt
-            nxt = self._claim(step, ahead)
+            nxt = self._claim(step, ahead, slot)
             if todo:
                 self.copies.wait_d2h(todo)
                 t = time.perf_counter()
                 if not self._commit(u, todo, step):
-                    if slot is None and self.host.ring:
-                        slot = self.host.take_ring()
+                    if slot is None and self.host.ring:  # not claimed ahead: the slot the next unit does not hold
+                        slot = self.host.take_ring(avoid=nxt[2] if nxt is not None else None)
                         if self.host.remainders:
                             back = self._weights_back(u, todo, slot, go.bwd_done, ahead=False)
                     half = self.host.half_views(slot.half, u) if slot is not None else None
@@ -454,17 +458,18 @@ class CpuPart:
         return fused_kernel.pass_bytes(m, v, grad, self.host.half, self.host.remainders)
 
     def _claim(
-        self, step: _Step, ahead: bool
+        self, step: _Step, ahead: bool, held: RingSlot | None
     ) -> tuple[str, list[str], RingSlot | None, torch.cuda.Event | None] | None:
-        """The next unit from the queue (None when none is left) and the names it steps; with ahead, also its ring
-        slot with its weights' read-back under way (the event the host waits for before it steps the unit)."""
+        """The next unit from the queue (None when none is left) and the names it steps; with ahead and no guess for
+        it, also its ring slot (not `held`, the unit before's) with its weights' read-back under way (the event the
+        host waits for before it steps the unit)."""
         u = step.take()
         if u is None:
             return None
         todo = [n for n in self.units[u] if n in step.go.grads]
-        if not (ahead and todo):
+        if not (ahead and todo) or step.has_guess(u):
             return u, todo, None, None
-        slot = self.host.take_ring(wait=False)
+        slot = self.host.take_ring(wait=False, avoid=held)
         return u, todo, slot, self._weights_back(u, todo, slot, step.go.bwd_done, ahead=True)
 
     def _weights_back(self, u: str, todo: list[str], slot: RingSlot, bwd_done, ahead: bool) -> torch.cuda.Event | None:

@@ -311,9 +311,12 @@ class HostState:
             self.grads[dtype] = FlatViews(self._flat_layout, dtype, self.pin_grads)
         return self.grads[dtype][name]
 
-    def take_ring(self, wait: bool = True) -> RingSlot:
+    def take_ring(self, wait: bool = True, avoid: RingSlot | None = None) -> RingSlot:
         """The next half-weight upload buffer (driver thread only), once the copy that last read it is done; or,
-        without wait, at once, its read_by left for the caller to order its own copy after on the GPU."""
+        without wait, at once, its read_by left for the caller to order its own copy after on the GPU. avoid: a
+        slot still held (a unit whose weights are read back ahead of its step), passed over."""
+        if self.ring[self._next_slot] is avoid:
+            self._next_slot = (self._next_slot + 1) % len(self.ring)
         slot = self.ring[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self.ring)
         if wait and slot.read_by is not None:
