@@ -357,9 +357,9 @@ class CpuPart:
                     continue  # the clip factor is known: no more guessing
                 guess, seconds = self._speculate(msg)
                 compute += seconds
-                stepped += self.layout.numel[msg.unit] if guess is not None else 0
                 if guess is not None:
                     guesses[msg.unit] = guess
+                    stepped += self.layout.numel[msg.unit]
             t_run = time.perf_counter()
             n_speculated, speculated_s = len(guesses), compute
             # units in forward order, taken one at a time by the CPU threads (here) and the GPU assist
@@ -433,7 +433,7 @@ class CpuPart:
                     if slot is None and self.host.ring:  # not claimed ahead: the slot the next unit does not hold
                         slot = self.host.take_ring(avoid=nxt[2] if nxt is not None else None)
                         if self.host.remainders:
-                            back = self._weights_back(u, todo, slot, go.bwd_done, ahead=False)
+                            back = self._weights_back(u, todo, slot, go.bwd_done, wait=True)
                     half = self.host.half_views(slot.half, u) if slot is not None else None
                     if back is not None:
                         back.synchronize()
@@ -470,15 +470,16 @@ class CpuPart:
         if not (ahead and todo) or step.has_guess(u):
             return u, todo, None, None
         slot = self.host.take_ring(wait=False, avoid=held)
-        return u, todo, slot, self._weights_back(u, todo, slot, step.go.bwd_done, ahead=True)
+        return u, todo, slot, self._weights_back(u, todo, slot, step.go.bwd_done, wait=False)
 
-    def _weights_back(self, u: str, todo: list[str], slot: RingSlot, bwd_done, ahead: bool) -> torch.cuda.Event | None:
-        """Read the unit's weights (the masters' high halves) back into its ring slot; ahead: ordered after the
-        slot's last upload on the GPU and not waited for (the event is returned), else waited for here."""
+    def _weights_back(self, u: str, todo: list[str], slot: RingSlot, bwd_done, wait: bool) -> torch.cuda.Event | None:
+        """Read the unit's weights (the masters' high halves) back into its ring slot, ordered on the GPU after the
+        slot's last upload where the host has not waited for it (take_ring(wait=False)); with wait, returns once
+        they are there, else returns the copy's event."""
         half = self.host.half_views(slot.half, u)
-        free, slot.read_by = (slot.read_by if ahead else None), None
+        free, slot.read_by = slot.read_by, None
         return self.copies.weights_to_host([self.params[n] for n in todo], [half[n] for n in todo], bwd_done,
-                                           buffer_free=free, wait=not ahead)  # fmt: skip
+                                           buffer_free=free, wait=wait)  # fmt: skip
 
     def _assist_units(self, step: _Step) -> int:
         """The GPU assist's share of the same queue; returns the number of units it stepped."""
