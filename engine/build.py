@@ -71,8 +71,7 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
     from engine.optim.options import STATE_DTYPE
 
     # one optimizer for every case: at fraction 0 it is the plain device optimizer (with fp32 masters
-    # for half weights); the offload options take effect only under their master switch, as in Megatron
-    offload = o.optimizer_cpu_offload
+    # for half weights); the config refuses an offload option set without its master switch
     return HybridDeviceOptimizer(
         groups,
         HybridOptions(
@@ -81,13 +80,13 @@ def build_optimizer(groups: list[dict], cfg: Config, model: nn.Module) -> torch.
             betas=(o.adam_beta1, o.adam_beta2),
             eps=o.adam_eps,
             momentum=o.sgd_momentum,
-            offload_fraction=o.optimizer_offload_fraction if offload else 0.0,
-            overlap_cpu_optimizer_d2h_h2d=offload and o.overlap_cpu_optimizer_d2h_h2d,
+            offload_fraction=o.optimizer_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d,
             pin_cpu_grads=o.pin_cpu_grads,
             pin_cpu_params=o.pin_cpu_params,
-            use_torch_optimizer_for_cpu_offload=offload and o.use_torch_optimizer_for_cpu_offload,
+            use_torch_optimizer_for_cpu_offload=o.use_torch_optimizer_for_cpu_offload,
             cpu_threads=o.cpu_optimizer_threads,
-            pin_cpu_threads=offload and o.cpu_optimizer_pin_threads,
+            pin_cpu_threads=o.cpu_optimizer_pin_threads,
             accumulate_grads_in_fp32=o.accumulate_allreduce_grads_in_fp32,
             gpu_assist=o.cpu_offload_gpu_assist,
             delayed_param_update=o.delayed_param_update,

@@ -209,7 +209,7 @@ def test_tuples_round_trip(monkeypatch):
 
 def test_file_source_with_overrides(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"optimizer": {"lr": 0.01, "min_lr": 0.001}}))
+    path.write_text(json.dumps({"optimizer": {"lr": 0.01, "min_lr": 0.001, "lr_decay_style": "cosine"}}))
     assert load_config(path).optimizer.lr == 0.01
     cfg = load_config(str(path), ["optimizer.lr=0.002"])
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr) == (0.002, 0.001)
@@ -294,7 +294,8 @@ def test_initialize_reads_a_shipped_config_from_any_directory(tmp_path, monkeypa
     ],
 )
 def test_override_is_typed(override, section, key, expected):
-    source = {"model": {"recompute_granularity": "full"}, "logging": {"metrics_file": "m.jsonl"}}
+    source = {"model": {"recompute_granularity": "full"}, "logging": {"metrics_file": "m.jsonl"},
+              "optimizer": {"optimizer_cpu_offload": True, "use_distributed_optimizer": True}}
     value = getattr(getattr(load_config(source, [override]), section), key)
     assert value == expected and type(value) is type(expected)
 
@@ -434,6 +435,36 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
         (["optimizer.optimizer_offload_fraction=auto"], 1,
          r'optimizer\.optimizer_offload_fraction="auto": is chosen by the memory plan only with '
          r"optimizer\.optimizer_cpu_offload=true"),
+    ],
+    "_switched_keys_need_their_switch": [
+        (["optimizer.optimizer_offload_fraction=0.5"], 1,
+         r"optimizer\.optimizer_offload_fraction=0\.5: acts only on the CPU-stepped part, which exists only with "
+         r"optimizer\.optimizer_cpu_offload=true; set it, or set optimizer\.optimizer_offload_fraction=0\.0 "
+         r"\(the default\)"),
+        (["optimizer.cpu_optimizer_threads=4"], 1,
+         r"optimizer\.cpu_optimizer_threads=4: acts only on the CPU-stepped part.*or unset "
+         r"optimizer\.cpu_optimizer_threads"),
+        (["model.cpu_offloading_num_layers=2"], 1,
+         r"model\.cpu_offloading_num_layers=2: acts only on offloaded layers, which exist only with "
+         r"model\.cpu_offloading=true"),
+        (["optimizer.delayed_param_update_warmup=3"], 1,
+         r"optimizer\.delayed_param_update_warmup=3: counts the exact steps before the delayed update starts; it "
+         r"acts only with optimizer\.delayed_param_update=true"),
+        (["model.fused_linear_cross_entropy_chunk_size=512"], 1,
+         r"model\.fused_linear_cross_entropy_chunk_size=512: sizes the fused loss's chunks; it acts only with "
+         r"model\.fused_linear_cross_entropy=true"),
+    ],
+    "_other_optimizers_keys": [
+        (["optimizer.sgd_momentum=0.5"], 1,
+         r'optimizer\.sgd_momentum=0\.5: is read only by the sgd optimizer, not optimizer\.optimizer="adam"; set '
+         r"optimizer\.sgd_momentum=0\.9 \(the default\), or choose that optimizer"),
+        (["optimizer.optimizer=sgd", "optimizer.adam_beta2=0.95"], 1,
+         r'optimizer\.adam_beta2=0\.95: is read only by the adam optimizer, not optimizer\.optimizer="sgd"'),
+    ],
+    "_min_lr_needs_a_decay": [
+        (["optimizer.min_lr=1e-5"], 1,
+         r'optimizer\.min_lr=1e-05: is where a decaying schedule ends; optimizer\.lr_decay_style="constant" never '
+         r'reaches it: set optimizer\.lr_decay_style="cosine" or "linear", or optimizer\.min_lr=0\.0'),
     ],
     "_offload_without_pipeline": [
         (CPU_OFFLOAD + ["model.pipeline_model_parallel_size=2"], 1,
@@ -575,6 +606,8 @@ RULE_CASES: dict[str, list[tuple[list[str], int, str]]] = {
     "_fp8_delayed_only_keys": [
         (["train.fp8_margin=1"], 1, r"train\.fp8_margin=1: acts only with train\.fp8 set and "
                                     r"train\.fp8_recipe=\"delayed\""),
+        (["train.fp8_recipe=tensorwise"], 1, r'train\.fp8_recipe="tensorwise": acts only with train\.fp8 set; set '
+                                             r'train\.fp8, or set train\.fp8_recipe="delayed" \(the default\)'),
     ],
     "_checkpoint_keys_need_their_folder": [
         (["checkpoint.keep_last=2"], 1, r"checkpoint\.keep_last=2: acts only with checkpoint\.save set; set "),
@@ -635,7 +668,7 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (DPU, 1, "delayed_param_update"),
     (["train.global_batch_size=16", "train.micro_batch_size=4"], 2, "must be divisible"),
     (["train.global_batch_size=24", "train.micro_batch_size=4"], 1, "must be divisible"),
-    (["optimizer.min_lr=0.0003"], 1, "min_lr"),
+    (["optimizer.min_lr=0.0003", "optimizer.lr_decay_style=linear"], 1, "min_lr"),
     (["train.precision=fp16", "train.loss_scale=1024", "train.loss_scale_window=10"], 1, "fp16"),
     (["train.params_dtype=half", "train.precision=fp16"], 1, "half weights need"),
     (["optimizer.lr_warmup_iters=100"], 1, "lr_warmup_iters"),
@@ -643,6 +676,15 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["data.source=tokens", "data.path=x", "data.token_dtype=int32"], 1, "is read only by"),
     (["checkpoint.save=x", "checkpoint.keep_last=2", "checkpoint.save_interval=5"], 1, "acts only with"),
     (["checkpoint.load=x", "checkpoint.load_if_exists=true"], 1, "acts only with"),
+    (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
+      "optimizer.optimizer_offload_fraction=0.5", "optimizer.pin_cpu_grads=false", "optimizer.cpu_optimizer_threads=2",
+      "optimizer.speculation_buffer_mb=64"], 1, "acts only on the CPU-stepped part"),
+    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.cpu_offloading_double_buffering=true"], 1,
+     "acts only on offloaded layers"),
+    (DPU + ["optimizer.delayed_param_update_warmup=3"], 1, "counts the exact steps"),
+    (["optimizer.optimizer=sgd", "optimizer.sgd_momentum=0.5"], 1, "is read only by"),
+    (["optimizer.adam_beta2=0.95", "optimizer.adam_eps=1e-6"], 1, "is read only by"),
+    (["optimizer.lr_decay_style=cosine", "optimizer.min_lr=1e-5"], 1, "decaying schedule"),
 ]
 
 
@@ -664,6 +706,28 @@ def test_rule_message(overrides, dp, pattern):
 def test_rule_passes(overrides, dp, absent):
     errors = errors_of(overrides, dp=dp)
     assert not any(absent in e for e in errors), errors
+
+
+# a value other than the default for every key read only under a switch
+SWITCHED_VALUES = {
+    "optimizer.optimizer_offload_fraction": 0.25, "optimizer.overlap_cpu_optimizer_d2h_h2d": True,
+    "optimizer.use_torch_optimizer_for_cpu_offload": True, "optimizer.pin_cpu_grads": False,
+    "optimizer.pin_cpu_params": False, "optimizer.cpu_optimizer_threads": 3, "optimizer.cpu_optimizer_pin_threads": True,
+    "optimizer.speculation_buffer_mb": 64, "model.cpu_offloading_num_layers": 1,
+    "model.cpu_offloading_activations": False, "model.cpu_offloading_weights": True,
+    "model.cpu_offloading_double_buffering": True, "optimizer.delayed_param_update_warmup": 3,
+    "model.fused_linear_cross_entropy_chunk_size": 256,
+}  # fmt: skip
+
+
+def test_every_key_read_only_under_a_switch_is_refused_while_the_switch_is_off():
+    from engine.config.rules import SWITCHED_KEYS
+
+    table = {key: switch for switch, _, keys in SWITCHED_KEYS for key in keys}
+    assert set(table) == set(SWITCHED_VALUES)
+    for key, value in SWITCHED_VALUES.items():
+        errors = errors_of([f"{key}={json.dumps(value)}"])
+        assert len(errors) == 1 and errors[0].startswith(f"{key}=") and f"{table[key]}=true" in errors[0], errors
 
 
 def test_a_mechanism_states_its_rule_in_the_config_rule_s_words():

@@ -267,7 +267,8 @@ def test_memory_plan_counts_the_shadow_and_no_speculation():
 
     cfg = load_config(ENGINE)
     plan = engine.plan(cfg, gpu_budget_bytes=8 << 30, host_budget_bytes=8 << 30)
-    exact = engine.plan(load_config({**ENGINE, "optimizer": {**ENGINE["optimizer"], "delayed_param_update": False}}),
+    exact_optimizer = {k: v for k, v in ENGINE["optimizer"].items() if k != "delayed_param_update_warmup"}
+    exact = engine.plan(load_config({**ENGINE, "optimizer": {**exact_optimizer, "delayed_param_update": False}}),
                         gpu_budget_bytes=8 << 30, host_budget_bytes=8 << 30)  # fmt: skip
     m = cfg.model
     model = GPT(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,

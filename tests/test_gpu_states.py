@@ -266,7 +266,7 @@ def test_gpu_refusal_names_the_narrower_states_that_fit_without_a_cpu_part():
 
     gib = 1 << 30
     over = ["optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0", "model.num_layers=24",
-            "model.cpu_offloading_num_layers=0"]  # fmt: skip
+            "model.cpu_offloading_num_layers=0", "optimizer.overlap_cpu_optimizer_d2h_h2d=false"]  # fmt: skip
     p = planner(load_config(config_file("13b-h200.json"), overrides=over), gpu_budget_bytes=139 * gib,
                 host_budget_bytes=10 * gib)  # fmt: skip
     wide = p.evaluate(0.0, 0)

@@ -55,11 +55,13 @@ def test_plan_table_and_json_for_the_demo(capsys):
          r"optimizer\.exp_avg_dtype=bf16 optimizer\.exp_avg_sq_dtype=bf16 \(host [\d.]+ GiB\); at the current state "
          r"dtypes, at hidden 5120, seq 2048, micro-batch 1 at most \d+ layers \([\d.]+ B parameters\) fit"),
         (["optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0",
+          "optimizer.overlap_cpu_optimizer_d2h_h2d=false",
           "model.cpu_offloading_num_layers=0"],
          r"^error: GPU memory: plan needs [\d.]+ GiB, 139\.0 GiB available; set optimizer\.optimizer_cpu_offload=true "
          r"and optimizer\.use_distributed_optimizer=true with optimizer\.optimizer_offload_fraction >= 0\.\d\d"),
         (["model.num_layers=24", "model.hidden_size=1024", "model.num_attention_heads=16", "train.micro_batch_size=8",
           "optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0",
+          "optimizer.overlap_cpu_optimizer_d2h_h2d=false",
           "model.cpu_offloading_num_layers=23", "--host-memory", "12"],  # the last --host-memory wins
          r"^error: host memory: plan needs [\d.]+ GiB, 12\.0 GiB available; lower "
          r"model\.cpu_offloading_num_layers to <= \d+$"),
@@ -197,7 +199,8 @@ def test_plan_says_what_activation_offload_moves(capsys):
     tiny = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
             "train.micro_batch_size=2",
             "train.global_batch_size=2", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1",
-            "optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0"]  # fmt: skip
+            "optimizer.optimizer_cpu_offload=false", "optimizer.optimizer_offload_fraction=0.0",
+          "optimizer.overlap_cpu_optimizer_d2h_h2d=false"]  # fmt: skip
     rc, out, err = run(capsys, DEMO, "--plan", *H200, *tiny)
     assert rc == 0, err
     assert "activation offload: 1 layers wrapped, but nothing moves: every storage they save is at most 65536" in out

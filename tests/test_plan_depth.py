@@ -153,8 +153,10 @@ def test_the_census_builds_one_layer_per_distinct_shape(monkeypatch):
 @pytest.mark.parametrize(
     "extra",
     [{}, {"model": {"cpu_offloading_double_buffering": True}},
-     {"model": {"cpu_offloading": False, "recompute_granularity": "full", "recompute_num_layers": 3}},
-     {"model": {"cpu_offloading": False, "fine_grained_activation_offloading": True, "offload_modules": ["mlp"]}},
+     {"model": {"cpu_offloading": False, "cpu_offloading_num_layers": 0, "recompute_granularity": "full",
+                "recompute_num_layers": 3}},
+     {"model": {"cpu_offloading": False, "cpu_offloading_num_layers": 0, "fine_grained_activation_offloading": True,
+                "offload_modules": ["mlp"]}},
      {"optimizer": {"overlap_cpu_optimizer_d2h_h2d": False, "cpu_offload_gpu_assist": False}, "world": 2}],
 )  # fmt: skip
 def test_the_plan_over_counts_equals_the_plan_layer_by_layer(extra):

@@ -21,6 +21,7 @@ import torch
 
 from engine.bench.scale_rows import Row, write_json
 from engine.config import ConfigError, load_config
+from engine.config.rules import CPU_PART_KEYS
 from engine.planning.budget import Budgets
 
 COMMAND = "bin/bench scale"
@@ -40,14 +41,13 @@ def row_config(a: argparse.Namespace, shape, fraction: float | str, dpu: bool, e
     offload = fraction == "auto" or fraction > 0
     cfg = {
         "model": shape.model_section(),  # a HF shape: none (the model brings its own)
-        "optimizer": {"optimizer": "adam", "lr": a.lr, "min_lr": a.lr,
+        "optimizer": {"optimizer": "adam", "lr": a.lr,
                       "lr_warmup_iters": a.lr_warmup, "lr_decay_iters": max(a.lr_warmup, 1),
                       "lr_decay_style": "constant",
                       "weight_decay": 0.1, "adam_beta1": 0.9,
                       "adam_beta2": 0.95, "clip_grad": 1.0, "optimizer_cpu_offload": offload,
                       "optimizer_offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": offload,
-                      "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload,
-                      "cpu_optimizer_threads": a.cpu_threads},
+                      "use_distributed_optimizer": offload, "cpu_optimizer_pin_threads": pin and offload},
         "train": {"train_iters": a.warmup + a.iters, "global_batch_size": a.global_batch,
                   "micro_batch_size": a.micro_batch, "precision": "bf16", "params_dtype": "half", "seed": a.seed,
                   "device": a.device},
@@ -55,7 +55,10 @@ def row_config(a: argparse.Namespace, shape, fraction: float | str, dpu: bool, e
     }  # fmt: skip
     if dpu:  # a short warm-up: the measured iterations are delayed ones
         cfg["optimizer"].update(delayed_param_update=True, delayed_param_update_warmup=a.dpu_warmup)
-    for path, value in {**a.set, **(extra or {})}.items():
+    given = {**({"optimizer.cpu_optimizer_threads": a.cpu_threads} if a.cpu_threads else {}), **a.set, **(extra or {})}
+    for path, value in given.items():
+        if not offload and path in CPU_PART_KEYS:  # the twin has no CPU-stepped part for them to act on
+            continue
         ns, key = path.split(".", 1)
         cfg.setdefault(ns, {})[key] = value
     return cfg

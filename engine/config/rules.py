@@ -76,6 +76,62 @@ def _auto_needs_its_switch(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
         )
 
 
+# Keys read only under a switch: set while it is off, each would be accepted and do nothing (Megatron ignores
+# them), so each is refused. "auto" is _auto_needs_its_switch's.
+SWITCHED_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("optimizer.optimizer_cpu_offload", "acts only on the CPU-stepped part, which exists only with",
+     ("optimizer.optimizer_offload_fraction", "optimizer.overlap_cpu_optimizer_d2h_h2d",
+      "optimizer.use_torch_optimizer_for_cpu_offload", "optimizer.pin_cpu_grads", "optimizer.pin_cpu_params",
+      "optimizer.cpu_optimizer_threads", "optimizer.cpu_optimizer_pin_threads", "optimizer.speculation_buffer_mb")),
+    ("model.cpu_offloading", "acts only on offloaded layers, which exist only with",
+     ("model.cpu_offloading_num_layers", "model.cpu_offloading_activations", "model.cpu_offloading_weights",
+      "model.cpu_offloading_double_buffering")),
+    ("optimizer.delayed_param_update", "counts the exact steps before the delayed update starts; it acts only with",
+     ("optimizer.delayed_param_update_warmup",)),
+    ("model.fused_linear_cross_entropy", "sizes the fused loss's chunks; it acts only with",
+     ("model.fused_linear_cross_entropy_chunk_size",)),
+)  # fmt: skip
+
+
+CPU_PART_KEYS = frozenset(SWITCHED_KEYS[0][2])  # what optimizer.optimizer_cpu_offload=false leaves nothing for
+
+
+@_rule(*(path for switch, _, keys in SWITCHED_KEYS for path in (switch, *keys)))
+def _switched_keys_need_their_switch(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    for switch, what, keys in SWITCHED_KEYS:
+        if _value(c, switch):
+            continue
+        for key in keys:
+            if (value := _value(c, key)) != "auto" and value != (unset := default(key)):
+                reset = f"unset {key}" if unset is None else f"set {key}={show(unset)} (the default)"
+                yield Problem(key, f"{what} {switch}=true; set it, or {reset}")
+
+
+def _value(c: SimpleNamespace, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(c, section), key)
+
+
+@_rule("optimizer.optimizer", "optimizer.sgd_momentum", "optimizer.adam_beta1", "optimizer.adam_beta2",
+       "optimizer.adam_eps")  # fmt: skip
+def _other_optimizers_keys(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    o = c.optimizer
+    others = ("sgd_momentum",) if o.optimizer == "adam" else ("adam_beta1", "adam_beta2", "adam_eps")
+    for key in others:
+        if getattr(o, key) != (unset := default(f"optimizer.{key}")):
+            yield Problem(f"optimizer.{key}", f'is read only by the {"sgd" if o.optimizer == "adam" else "adam"} '
+                          f'optimizer, not optimizer.optimizer="{o.optimizer}"; set optimizer.{key}={show(unset)} '
+                          "(the default), or choose that optimizer")  # fmt: skip
+
+
+@_rule("optimizer.lr_decay_style", "optimizer.min_lr")
+def _min_lr_needs_a_decay(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
+    if c.optimizer.lr_decay_style == "constant" and c.optimizer.min_lr != (unset := default("optimizer.min_lr")):
+        yield Problem("optimizer.min_lr", 'is where a decaying schedule ends; optimizer.lr_decay_style="constant" '
+                      f'never reaches it: set optimizer.lr_decay_style="cosine" or "linear", or '
+                      f"optimizer.min_lr={show(unset)}")  # fmt: skip
+
+
 @_rule("model.cpu_offloading", "model.pipeline_model_parallel_size")
 def _offload_without_pipeline(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     if c.model.cpu_offloading and c.model.pipeline_model_parallel_size > 1:
@@ -433,11 +489,14 @@ def _fp8(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
                       "FP8 context; set model.recompute_granularity=null, or train.fp8=null")  # fmt: skip
 
 
-@_rule("train.fp8_recipe", "train.fp8_margin", "train.fp8_amax_history_len", "train.fp8_amax_compute_algo")
+@_rule("train.fp8", "train.fp8_recipe", "train.fp8_margin", "train.fp8_amax_history_len", "train.fp8_amax_compute_algo")
 def _fp8_delayed_only_keys(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
     from engine.precision import DELAYED_ONLY
 
     t = c.train
+    if t.fp8 is None and t.fp8_recipe != (recipe := default("train.fp8_recipe")):
+        yield Problem("train.fp8_recipe", f"acts only with train.fp8 set; set train.fp8, or set "
+                                          f"train.fp8_recipe={show(recipe)} (the default)")  # fmt: skip
     for key, unset in DELAYED_ONLY.items():
         if getattr(t, key) != unset and (t.fp8 is None or t.fp8_recipe != "delayed"):
             yield Problem(f"train.{key}", f'acts only with train.fp8 set and train.fp8_recipe="delayed"; set those, '

@@ -76,11 +76,11 @@ def _ours_config(spec: dict, delayed: bool) -> dict:
     f = spec["fraction"]
     cfg = {
         "model": {"seq_length": spec["seq"], "vocab_size": models.VOCAB},
-        "optimizer": {"optimizer": "adam", "lr": spec["lr"], "min_lr": spec["lr"], "weight_decay": spec["weight_decay"],
+        "optimizer": {"optimizer": "adam", "lr": spec["lr"], "weight_decay": spec["weight_decay"],
                       "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": spec["clip"],
                       "optimizer_cpu_offload": f > 0, "optimizer_offload_fraction": f,
                       "overlap_cpu_optimizer_d2h_h2d": f > 0, "use_distributed_optimizer": f > 0,
-                      "cpu_optimizer_threads": spec["cpu_threads"]},
+                      "cpu_optimizer_threads": spec["cpu_threads"] if f > 0 else None},
         "train": {"train_iters": spec["warmup"] + spec["iters"], "global_batch_size": spec["micro_batch"],
                   "micro_batch_size": spec["micro_batch"], "precision": "bf16", "params_dtype": "half",
                   "seed": spec["seed"]},
