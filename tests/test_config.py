@@ -712,7 +712,8 @@ def test_rule_passes(overrides, dp, absent):
 SWITCHED_VALUES = {
     "optimizer.optimizer_offload_fraction": 0.25, "optimizer.overlap_cpu_optimizer_d2h_h2d": True,
     "optimizer.use_torch_optimizer_for_cpu_offload": True, "optimizer.pin_cpu_grads": False,
-    "optimizer.pin_cpu_params": False, "optimizer.cpu_optimizer_threads": 3, "optimizer.cpu_optimizer_pin_threads": True,
+    "optimizer.pin_cpu_params": False, "optimizer.cpu_optimizer_threads": 3,
+    "optimizer.cpu_optimizer_pin_threads": True,
     "optimizer.speculation_buffer_mb": 64, "model.cpu_offloading_num_layers": 1,
     "model.cpu_offloading_activations": False, "model.cpu_offloading_weights": True,
     "model.cpu_offloading_double_buffering": True, "optimizer.delayed_param_update_warmup": 3,
