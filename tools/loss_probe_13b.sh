@@ -5,7 +5,7 @@
 # longer than ROW_LIMIT seconds is stopped there (its metrics keep the iterations done: a long schedule can be
 # probed by its first iterations).
 # CPU check of the script (tiny shape): LOSS_PROBE_TINY=1 tools/loss_probe_13b.sh none
-# Usage on the device (carry .whl): ROWS="plain8 model.num_layers=8,optimizer.optimizer_cpu_offload=false" \
+# Usage on the device (carry .whl): ROWS="plain8 model.num_layers=8,optimizer.optimizer_cpu_offload=false,optimizer.optimizer_offload_fraction=0,optimizer.overlap_cpu_optimizer_d2h_h2d=false" \
 #   tools/loss_probe_13b.sh .whl
 set -o pipefail
 export PYTHONUNBUFFERED=1
