@@ -294,8 +294,11 @@ def test_initialize_reads_a_shipped_config_from_any_directory(tmp_path, monkeypa
     ],
 )
 def test_override_is_typed(override, section, key, expected):
-    source = {"model": {"recompute_granularity": "full"}, "logging": {"metrics_file": "m.jsonl"},
-              "optimizer": {"optimizer_cpu_offload": True, "use_distributed_optimizer": True}}
+    source = {
+        "model": {"recompute_granularity": "full"},
+        "logging": {"metrics_file": "m.jsonl"},
+        "optimizer": {"optimizer_cpu_offload": True, "use_distributed_optimizer": True},
+    }
     value = getattr(getattr(load_config(source, [override]), section), key)
     assert value == expected and type(value) is type(expected)
 
@@ -676,11 +679,23 @@ RULE_PASSES: list[tuple[list[str], int, str]] = [
     (["data.source=tokens", "data.path=x", "data.token_dtype=int32"], 1, "is read only by"),
     (["checkpoint.save=x", "checkpoint.keep_last=2", "checkpoint.save_interval=5"], 1, "acts only with"),
     (["checkpoint.load=x", "checkpoint.load_if_exists=true"], 1, "acts only with"),
-    (["optimizer.optimizer_cpu_offload=true", "optimizer.use_distributed_optimizer=true",
-      "optimizer.optimizer_offload_fraction=0.5", "optimizer.pin_cpu_grads=false", "optimizer.cpu_optimizer_threads=2",
-      "optimizer.speculation_buffer_mb=64"], 1, "acts only on the CPU-stepped part"),
-    (CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.cpu_offloading_double_buffering=true"], 1,
-     "acts only on offloaded layers"),
+    (
+        [
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.use_distributed_optimizer=true",
+            "optimizer.optimizer_offload_fraction=0.5",
+            "optimizer.pin_cpu_grads=false",
+            "optimizer.cpu_optimizer_threads=2",
+            "optimizer.speculation_buffer_mb=64",
+        ],
+        1,
+        "acts only on the CPU-stepped part",
+    ),
+    (
+        CPU_OFFLOAD + ["model.cpu_offloading_num_layers=2", "model.cpu_offloading_double_buffering=true"],
+        1,
+        "acts only on offloaded layers",
+    ),
     (DPU + ["optimizer.delayed_param_update_warmup=3"], 1, "counts the exact steps"),
     (["optimizer.optimizer=sgd", "optimizer.sgd_momentum=0.5"], 1, "is read only by"),
     (["optimizer.adam_beta2=0.95", "optimizer.adam_eps=1e-6"], 1, "is read only by"),
