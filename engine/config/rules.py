@@ -78,11 +78,12 @@ def _auto_needs_its_switch(c: SimpleNamespace, dp: int) -> Iterator[Problem]:
 
 # Keys read only under a switch: set while it is off, each would be accepted and do nothing (Megatron ignores
 # them), so each is refused. "auto" is _auto_needs_its_switch's.
+CPU_PART_KEYS = ("optimizer.optimizer_offload_fraction", "optimizer.overlap_cpu_optimizer_d2h_h2d",
+                 "optimizer.use_torch_optimizer_for_cpu_offload", "optimizer.pin_cpu_grads", "optimizer.pin_cpu_params",
+                 "optimizer.cpu_optimizer_threads", "optimizer.cpu_optimizer_pin_threads",
+                 "optimizer.speculation_buffer_mb")  # fmt: skip
 SWITCHED_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("optimizer.optimizer_cpu_offload", "acts only on the CPU-stepped part, which exists only with",
-     ("optimizer.optimizer_offload_fraction", "optimizer.overlap_cpu_optimizer_d2h_h2d",
-      "optimizer.use_torch_optimizer_for_cpu_offload", "optimizer.pin_cpu_grads", "optimizer.pin_cpu_params",
-      "optimizer.cpu_optimizer_threads", "optimizer.cpu_optimizer_pin_threads", "optimizer.speculation_buffer_mb")),
+    ("optimizer.optimizer_cpu_offload", "acts only on the CPU-stepped part, which exists only with", CPU_PART_KEYS),
     ("model.cpu_offloading", "acts only on offloaded layers, which exist only with",
      ("model.cpu_offloading_num_layers", "model.cpu_offloading_activations", "model.cpu_offloading_weights",
       "model.cpu_offloading_double_buffering")),
@@ -91,9 +92,6 @@ SWITCHED_KEYS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("model.fused_linear_cross_entropy", "sizes the fused loss's chunks; it acts only with",
      ("model.fused_linear_cross_entropy_chunk_size",)),
 )  # fmt: skip
-
-
-CPU_PART_KEYS = frozenset(SWITCHED_KEYS[0][2])  # what optimizer.optimizer_cpu_offload=false leaves nothing for
 
 
 @_rule(*(path for switch, _, keys in SWITCHED_KEYS for path in (switch, *keys)))
